@@ -1,0 +1,14 @@
+"""torchkiln: make a PyTorch model fast on whatever hardware it runs on, with one call.
+
+    import torchkiln as tk
+    model = tk.optimize(model, dtype=torch.bfloat16)
+
+This file is the whole public API. Importing it has no side effects: no logging
+configuration, no torch settings, no environment changes.
+"""
+
+__version__ = "0.1.0"
+
+from .hardware import default_device, detect, devices  # noqa: E402
+
+__all__ = ["__version__", "detect", "devices", "default_device"]

@@ -1,0 +1,3 @@
+from torchkiln.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The `torchkiln` command. Every subcommand takes --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__, _log
+
+
+def _gib(n):
+    return f"{n / 2**30:.1f} GiB" if n else "?"
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _cmd_doctor(args) -> int:
+    from . import doctor
+
+    report = doctor.run(timeout=args.probe_timeout)
+    if args.json:
+        _print_json({"torchkiln": __version__, **report})
+        return 0
+    hw = report["hardware"]
+    cpu, sw = hw["cpu"], hw["software"]
+    print(f"torchkiln {__version__}  ({hw['platform']})")
+    print(f"CPU      {cpu['vendor'] or '?'} {cpu['model'] or '?'}")
+    print(
+        f"         {cpu['physical_cores'] or '?'} physical cores, {cpu['sockets'] or '?'} socket(s), "
+        f"{cpu['numa_nodes'] or '?'} NUMA node(s), {_gib(cpu['memory_bytes'])} RAM"
+    )
+    print(f"         ISA: {' '.join(cpu['features']) or 'none detected'}")
+    for key, why in cpu["unknown"].items():
+        print(f"         {key}: unknown ({why})")
+    if not hw["accelerators"]:
+        print("GPU      none visible to torch")
+    for acc in hw["accelerators"]:
+        state = "usable" if acc["usable"] else f"UNUSABLE: {acc['problem']}"
+        dts = [d for d in ("bf16", "fp16", "fp8") if acc[d]]
+        print(
+            f"{acc['type']}:{acc['index']:<6}{acc['name'] or '?'}, {_gib(acc['memory_bytes'])}, "
+            f"capability {acc['capability'] or '?'}, native {'/'.join(dts) or '?'}  [{state}]"
+        )
+    backends = ", ".join(k for k, v in sw["backends"].items() if v)
+    print(
+        f"Software python {sw['python']}, torch {sw['torch']}, torchao {sw['torchao'] or '-'}, "
+        f"transformers {sw['transformers'] or '-'}; torch backends: {backends}"
+    )
+    print(f"Devices  {', '.join(report['devices'])}  (default: {report['default_device']})")
+    for p in report["problems"]:
+        print(f"PROBLEM  {p['device']}: {p['detail']}\n  cause: {p['cause']}\n  fix:   {p['fix']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    common.add_argument(
+        "--log-level", choices=sorted(_log.LEVELS), help="verbosity (default: $TORCHKILN_LOG)"
+    )
+    p = argparse.ArgumentParser(prog="torchkiln", description=__doc__, parents=[common])
+    p.add_argument("--version", action="version", version=f"torchkiln {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("doctor", parents=[common], help="describe this machine and what is usable")
+    d.add_argument("--probe-timeout", type=float, default=None, help="seconds per device probe (20)")
+    d.set_defaults(func=_cmd_doctor)
+
+    from . import commands
+
+    commands.register(sub, common)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _log.configure(args.log_level)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        # User errors: one clear line, not a traceback.
+        if args.json:
+            _print_json({"error": type(e).__name__, "message": str(e)})
+        else:
+            print(f"torchkiln: error: {e}", file=sys.stderr)
+        return 2
