@@ -12,3 +12,8 @@ __version__ = "0.1.0"
 from .hardware import default_device, detect, devices  # noqa: E402
 
 __all__ = ["__version__", "detect", "devices", "default_device"]
+
+from .optimize import KilnModule, optimize, report  # noqa: E402
+from .recipe import Recipe  # noqa: E402
+
+__all__ += ["optimize", "report", "KilnModule", "Recipe"]

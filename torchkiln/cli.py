@@ -78,13 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     _log.configure(args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         # User errors: one clear line, not a traceback.
         if args.json:
             _print_json({"error": type(e).__name__, "message": str(e)})

@@ -1,2 +1,132 @@
-def register(sub, common):
-    pass
+"""`torchkiln demo | bench | check`: the inference subcommands."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import date
+
+
+def _shape(text: str | None):
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--shape {text!r} is not a comma-separated list of ints, e.g. 1,3,224,224") from None
+
+
+def _add_model_args(p, default_batch: int = 1) -> None:
+    p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
+                               "or package.module:callable")
+    p.add_argument("--batch", type=int, default=default_batch)
+    p.add_argument("--seq", type=int, default=128, help="sequence length for text models")
+    p.add_argument("--shape", help="input shape for a callable that returns a bare model, e.g. 1,3,224,224")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model is)")
+    p.add_argument("--level", default="O1", choices=["O0", "O1", "O2"])
+
+
+def _load(args):
+    import torch
+
+    from . import zoo
+    from .optimize import parse_dtype
+
+    parse_dtype(args.dtype)  # fail fast on a bad dtype, before building a model
+    model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
+    if args.device:
+        from .inputs import normalize, to
+
+        model = model.to(torch.device(args.device))
+        sample = to(normalize(sample), args.device)
+    return model, sample
+
+
+def _bench(args, model_name: str) -> int:
+    import torch
+
+    from .bench import bench, gemm_peak
+    from .optimize import parse_dtype
+
+    if args.plot and os.path.exists(args.plot) and not args.force:
+        raise FileExistsError(f"--plot {args.plot!r} exists; pass --force to overwrite it")
+    model, sample = _load(args)
+    dtype = parse_dtype(args.dtype)
+    device = torch.device(args.device) if args.device else torch.device("cpu")
+    peak = gemm_peak(dtype, device) if args.peak else None
+    peers = args.peers.split(",") if args.peers else None
+    result = bench(model, sample, dtype=dtype, device=device, level=args.level, warmup=args.warmup,
+                   iters=args.iters, peers=peers, name=model_name, progress=not args.json and not args.no_progress,
+                   gemm_peak_gflops=peak)
+    if args.plot:
+        result.plot(args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(result.table())
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    if args.results:
+        cmd = "torchkiln " + " ".join(args._argv)
+        with open(args.results, "a") as f:
+            f.write(f"\n### {date.today()} `{cmd}`\n\n```\n{result.table()}\n```\n")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    return _bench(args, args.model)
+
+
+def _cmd_demo(args) -> int:
+    args.model = args.model or "resnet50"
+    args.shape, args.device, args.level, args.plot, args.results = None, None, "O1", args.plot, None
+    args.peak = True
+    if not args.json:
+        print(f"torchkiln demo: optimizing a built-in {args.model} (random weights) at batch {args.batch} "
+              "and timing it against stock PyTorch in this process...\n")
+    return _bench(args, args.model)
+
+
+def _cmd_check(args) -> int:
+    from .check import check
+
+    model, sample = _load(args)
+    dtype = args.dtype if args.dtype != "float32" else "bfloat16"
+    result = check(model, sample, dtype=dtype, level=args.level)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(result)
+    return 0 if result.ok else 1
+
+
+def register(sub, common) -> None:
+    b = sub.add_parser("bench", parents=[common], help="time torchkiln against stock PyTorch peers")
+    _add_model_args(b)
+    b.add_argument("--iters", type=int, default=20)
+    b.add_argument("--warmup", type=int, default=5)
+    b.add_argument("--peers", help="comma list of peers (default: all for this device and dtype)")
+    b.add_argument("--plot", help="write a bar chart PNG here")
+    b.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
+    b.add_argument("--peak", action="store_true", help="also measure the GEMM peak and report %% of it")
+    b.add_argument("--results", help="append the table to this markdown file (e.g. benchmarks/RESULTS.md)")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_cmd_bench)
+
+    d = sub.add_parser("demo", parents=[common], help="optimize a built-in model and show the side-by-side")
+    d.add_argument("--model", default=None, help="zoo model (default resnet50)")
+    d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--seq", type=int, default=128)
+    d.add_argument("--dtype", default="float32")
+    d.add_argument("--iters", type=int, default=10)
+    d.add_argument("--warmup", type=int, default=3)
+    d.add_argument("--peers", default="eager,compile+freezing", help="peers to time (default: the fast ones)")
+    d.add_argument("--plot", help="write a bar chart PNG here")
+    d.add_argument("--force", action="store_true")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_cmd_demo)
+
+    c = sub.add_parser("check", parents=[common], help="consistency checks: modes, devices, dtypes, optimized")
+    _add_model_args(c)
+    c.set_defaults(func=_cmd_check)

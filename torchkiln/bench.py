@@ -1,0 +1,285 @@
+"""tk.bench(): torchkiln side by side with the stock-PyTorch peers a skilled user
+would try, timed the same way in the same process, with error against fp32 eager.
+
+Peers: eager fp32; torch.compile default; torch.compile with freezing (CPU);
+and where a low dtype is asked, torch.compile on the fully cast model and under
+autocast (with freezing on CPU). bench() resets dynamo between peers so that
+their compiled code cannot leak into each other's timings.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from . import inputs
+from .guard import compare
+from .optimize import _model_device, optimize, parse_dtype
+from .passes import compile_model
+
+
+@dataclass
+class Row:
+    name: str
+    median_ms: float
+    p90_ms: float
+    p99_ms: float
+    throughput: float  # items (batch rows) per second
+    peak_mem_mb: float | None
+    setup_s: float  # build + first call (compilation)
+    rel_err: float  # vs fp32 eager
+    speedup: float = 1.0  # vs eager fp32
+    gflops: float | None = None
+    peak_frac: float | None = None  # of the measured GEMM peak
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    dtype: str
+    batch: int | None
+    rows: list[Row] = field(default_factory=list)
+    flops: float | None = None  # per call
+    gemm_peak_gflops: float | None = None
+
+    def best_peer(self) -> Row | None:
+        peers = [r for r in self.rows if r.name != "torchkiln" and r.name != "eager"]
+        same_dtype = [r for r in peers if self.dtype == "float32" or "bf16" in r.name or "fp16" in r.name]
+        pool = same_dtype or peers
+        return min(pool, key=lambda r: r.median_ms) if pool else None
+
+    def vs_best_peer(self) -> float | None:
+        tk_row = next((r for r in self.rows if r.name == "torchkiln"), None)
+        peer = self.best_peer()
+        return round(peer.median_ms / tk_row.median_ms, 3) if tk_row and peer else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["best_peer"] = (self.best_peer() or Row("-", 0, 0, 0, 0, None, 0, 0)).name
+        d["speedup_vs_best_peer"] = self.vs_best_peer()
+        return d
+
+    def table(self) -> str:
+        head = (f"{self.model} on {self.device}, dtype {self.dtype}, batch {self.batch}"
+                + (f", {self.flops / 1e9:.2f} GFLOP/call" if self.flops else "")
+                + (f", GEMM peak {self.gemm_peak_gflops:.0f} GFLOP/s" if self.gemm_peak_gflops else ""))
+        cols = f"{'peer':<26}{'median ms':>10}{'p90':>9}{'p99':>9}{'items/s':>10}{'x eager':>9}{'rel err':>10}" \
+               f"{'setup s':>9}{'mem MB':>9}{'%peak':>7}"
+        lines = [head, cols, "-" * len(cols)]
+        for r in self.rows:
+            mem = f"{r.peak_mem_mb:.0f}" if r.peak_mem_mb is not None else "-"
+            frac = f"{100 * r.peak_frac:.0f}" if r.peak_frac is not None else "-"
+            lines.append(f"{r.name:<26}{r.median_ms:>10.2f}{r.p90_ms:>9.2f}{r.p99_ms:>9.2f}{r.throughput:>10.1f}"
+                         f"{r.speedup:>9.2f}{r.rel_err:>10.2g}{r.setup_s:>9.1f}{mem:>9}{frac:>7}"
+                         + (f"  {r.note}" if r.note else ""))
+        ratio = self.vs_best_peer()
+        if ratio is not None:
+            lines.append(f"torchkiln vs best peer ({self.best_peer().name}): {ratio:.2f}x")
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("--plot needs matplotlib: pip install 'torchkiln[plot]'") from e
+        fig, ax = plt.subplots(figsize=(8, 0.5 * len(self.rows) + 1.5))
+        names = [r.name for r in self.rows]
+        vals = [r.median_ms for r in self.rows]
+        colors = ["#d9480f" if n == "torchkiln" else "#868e96" for n in names]
+        ax.barh(names, vals, color=colors)
+        for i, r in enumerate(self.rows):
+            ax.text(r.median_ms, i, f" {r.median_ms:.2f} ms ({r.speedup:.2f}x)", va="center")
+        ax.invert_yaxis()
+        ax.set_xlabel("median latency (ms, lower is better)")
+        ax.set_title(f"{self.model}: {self.device} {self.dtype} batch {self.batch}")
+        ax.set_xlim(0, max(vals) * 1.35)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def model_flops(model: nn.Module, sample: inputs.Args) -> float | None:
+    """FLOPs of one forward, counted by torch's FlopCounterMode (matmuls, convs, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            model(*sample[0], **sample[1])
+        return float(counter.get_total_flops()) or None
+    except Exception:
+        return None
+
+
+def gemm_peak(dtype: torch.dtype, device: torch.device, n: int = 2048, iters: int = 10) -> float:
+    """GFLOP/s of the fastest GEMM path this machine has for ``dtype``, on an n^3 product."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    paths = {"aten": lambda: a @ b}
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
+        paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    best = 0.0
+    with torch.no_grad():
+        for fn in paths.values():
+            times = _time(fn, (), {}, device, warmup=2, iters=iters)
+            best = max(best, 2 * n**3 / statistics.median(times) / 1e9)
+    return round(best, 1)
+
+
+def _time(fn: Callable, args, kwargs, device, warmup: int, iters: int, tick=None) -> list[float]:
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn(*args, **kwargs)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+        if tick:
+            tick()
+    return times
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
+
+
+def peers_for(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+    """name -> build(model_copy) returning a callable. Mirrors what a skilled user tries."""
+    # Freezing the way PyTorch's CPU inference docs set it: the inductor config flag.
+    freeze = {"freezing": True} if device.type == "cpu" else {}
+    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    peers: dict[str, Callable] = {
+        "eager": lambda m: m,
+        "compile": lambda m: torch.compile(m),
+    }
+    if freeze:
+        peers["compile+freezing"] = lambda m: compile_model(m, freeze)
+    if low:
+        tag = "+freezing" if freeze else ""
+        peers[f"compile{tag} {low}-cast"] = lambda m: _cast_inputs(compile_model(m.to(dtype), freeze), dtype)
+        peers[f"compile{tag} {low}-autocast"] = lambda m: _autocast(compile_model(m, freeze), device, dtype)
+    return peers
+
+
+def _cast_inputs(fn, dtype):
+    def run(*args, **kwargs):
+        a, k = inputs.to((args, kwargs), dtype=dtype)
+        return fn(*a, **k)
+    return run
+
+
+def _autocast(fn, device, dtype):
+    def run(*args, **kwargs):
+        with torch.autocast(device.type, dtype=dtype):
+            return fn(*args, **kwargs)
+    return run
+
+
+def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = "O1", warmup: int = 5,
+          iters: int = 20, peers: list[str] | None = None, name: str = "model", progress: bool = True,
+          gemm_peak_gflops: float | None = None, **knobs) -> BenchResult:
+    """Time torchkiln against stock peers on ``sample_input``. Inference (no_grad)."""
+    compute = parse_dtype(dtype)
+    dev = torch.device(device) if device is not None else _model_device(model)
+    model = model.eval()
+    if _model_device(model) != dev:
+        model = copy.deepcopy(model).to(dev)
+    sample = inputs.to(inputs.normalize(sample_input), dev)
+    all_peers = peers_for(dev, compute)
+    if peers is not None:
+        bad = set(peers) - set(all_peers) - {"torchkiln"}
+        if bad:
+            raise ValueError(f"unknown peers {sorted(bad)}; available: {sorted(all_peers)} and 'torchkiln'")
+        all_peers = {k: v for k, v in all_peers.items() if k in peers or k == "eager"}
+    with torch.no_grad():
+        ref = model(*sample[0], **sample[1])
+    flops = model_flops(model, sample)
+    result = BenchResult(model=name, device=str(dev), dtype=str(compute).removeprefix("torch."),
+                         batch=inputs.batch_size(sample), flops=flops, gemm_peak_gflops=gemm_peak_gflops)
+    builders = dict(all_peers)
+    if peers is None or "torchkiln" in peers:
+        builders["torchkiln"] = None
+    with _progress(progress) as prog:
+        for peer, build in builders.items():
+            task = prog.add_task(peer, total=warmup + iters) if prog else None
+            tick = (lambda t=task: prog.advance(t)) if prog else None
+            torch._dynamo.reset()
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            note = ""
+            with torch.no_grad():
+                if build is None:
+                    fn = optimize(model, dtype=compute, level=level, sample_input=sample_input, device=dev, **knobs)
+                    note = fn.kiln_report.active
+                else:
+                    fn = build(model if peer == "eager" else copy.deepcopy(model))
+                out = fn(*sample[0], **sample[1])
+                synchronize(dev)
+                setup = time.perf_counter() - t0
+                times = _time(fn, *sample, dev, warmup=max(0, warmup - 1), iters=iters, tick=tick)
+            if tick:
+                tick()
+            med = statistics.median(times)
+            mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+            err = compare(inputs.tree_map(lambda t: t.float() if t.is_floating_point() else t, out), ref)
+            row = Row(name=peer, median_ms=med * 1e3, p90_ms=_pct(times, 0.9) * 1e3, p99_ms=_pct(times, 0.99) * 1e3,
+                      throughput=(result.batch or 1) / med, peak_mem_mb=mem, setup_s=round(setup, 2),
+                      rel_err=err.rel, note=note)
+            if flops:
+                row.gflops = flops / med / 1e9
+                if gemm_peak_gflops:
+                    row.peak_frac = row.gflops / gemm_peak_gflops
+            result.rows.append(row)
+            del fn
+    eager = result.rows[0].median_ms
+    for r in result.rows:
+        r.speedup = round(eager / r.median_ms, 3)
+    return result
+
+
+class _progress:
+    """A rich progress bar on stderr (stdout stays clean for --json); nothing when off."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.prog = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.prog = Progress(TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+        self.prog.__enter__()
+        return self.prog
+
+    def __exit__(self, *exc):
+        if self.prog is not None:
+            self.prog.__exit__(*exc)
+        return False

@@ -1,0 +1,144 @@
+"""tk.check(): consistency checks a user can run on any model before deploying.
+
+- eager vs optimized (tk.optimize with the given dtype/level);
+- grad-enabled vs no_grad vs inference_mode: one IPEX release changed ResNet
+  outputs under no_grad on XPU (MAE 1.48); identical modes must agree closely;
+- device vs CPU, when the model lives on an accelerator;
+- fp32 vs bf16 (or the dtype asked).
+
+When a check fails, the first submodule (in call order) whose output diverges
+is named, found by forward hooks on both runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from . import inputs
+from .guard import Error, compare
+from .optimize import _model_device, optimize, parse_dtype
+from .plan import TOLERANCE
+
+MODE_TOLERANCE = 1e-5  # same kernels, same dtype: anything above this is a bug, not rounding
+
+
+@dataclass
+class CheckRow:
+    name: str
+    error: dict
+    tolerance: float
+    ok: bool
+    first_divergence: str | None = None
+    note: str = ""
+
+
+@dataclass
+class CheckResult:
+    rows: list[CheckRow] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "checks": [asdict(r) for r in self.rows]}
+
+    def __str__(self) -> str:
+        lines = [f"{'check':<34}{'rel err':>10}{'max abs':>10}{'tolerance':>11}  result"]
+        for r in self.rows:
+            e = r.error
+            lines.append(f"{r.name:<34}{e['rel']:>10.2g}{e['max_abs']:>10.2g}{r.tolerance:>11.0e}  "
+                         f"{'ok' if r.ok else 'DIVERGES'}" + (f"  {r.note}" if r.note else ""))
+            if r.first_divergence:
+                lines.append(f"    first diverging submodule: {r.first_divergence}")
+        lines.append("all consistent" if self.ok else "INCONSISTENT: see rows marked DIVERGES")
+        return "\n".join(lines)
+
+
+def _run(model, sample, mode: str = "no_grad"):
+    ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with ctx():
+        out = model(*sample[0], **sample[1])
+    return inputs.tree_map(lambda t: t.detach().float() if t.is_floating_point() else t.detach(), out)
+
+
+def record_outputs(model: nn.Module, sample, mode: str = "no_grad") -> dict[str, torch.Tensor]:
+    """Each submodule's first tensor output, keyed by name, in call order."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+
+        def hook(m, args, out, name=name):
+            ts = inputs.flatten(out)
+            if ts and name not in seen:
+                seen[name] = ts[0].detach().float().cpu().clone()
+        hooks.append(mod.register_forward_hook(hook))
+    try:
+        _run(model, sample, mode)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def first_divergence(a: nn.Module, sample_a, b: nn.Module, sample_b, tol: float,
+                     mode_a: str = "no_grad", mode_b: str = "no_grad") -> str | None:
+    outs_a = record_outputs(a, sample_a, mode_a)
+    outs_b = record_outputs(b, sample_b, mode_b)
+    for name, ta in outs_a.items():  # call order of the first run
+        tb = outs_b.get(name)
+        if tb is None or tb.shape != ta.shape:
+            continue
+        if not compare(ta, tb).ok(tol):
+            return f"{name} ({type(a.get_submodule(name)).__name__}): {compare(ta, tb)}"
+    return None
+
+
+def check(model: nn.Module, sample_input, dtype=torch.bfloat16, level: str = "O1",
+          optimized: nn.Module | None = None, checks: tuple[str, ...] | None = None) -> CheckResult:
+    """Run the consistency checks; returns a CheckResult (``print`` it, or ``.to_dict()``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"check() expects a torch.nn.Module, got {type(model).__name__}")
+    low = parse_dtype(dtype)
+    dev = _model_device(model)
+    model = model.eval()
+    sample = inputs.to(inputs.normalize(sample_input), dev)
+    wanted = checks or ("optimized", "no_grad", "inference_mode", "device_vs_cpu", "dtype")
+    result = CheckResult()
+    base = _run(model, sample, "grad")
+
+    def add(name, err: Error, tol, locate=None, note=""):
+        ok = err.ok(tol)
+        where = locate() if (not ok and locate) else None
+        result.rows.append(CheckRow(name, err.to_dict(), tol, ok, where, note))
+
+    if "no_grad" in wanted:
+        add("grad vs no_grad", compare(_run(model, sample, "no_grad"), base), MODE_TOLERANCE,
+            lambda: first_divergence(model, sample, model, sample, MODE_TOLERANCE, "grad", "no_grad"))
+    if "inference_mode" in wanted:
+        add("grad vs inference_mode", compare(_run(model, sample, "inference_mode"), base), MODE_TOLERANCE,
+            lambda: first_divergence(model, sample, model, sample, MODE_TOLERANCE, "grad", "inference_mode"))
+    if "device_vs_cpu" in wanted and dev.type != "cpu":
+        cpu_model = copy.deepcopy(model).cpu()
+        cpu_sample = inputs.to(sample, "cpu")
+        tol = TOLERANCE[torch.float32]
+        add(f"{dev.type} vs cpu", compare(_run(model, sample), _run(cpu_model, cpu_sample)), tol,
+            lambda: first_divergence(model, sample, cpu_model, cpu_sample, tol))
+    if "dtype" in wanted and low != torch.float32:
+        low_model = copy.deepcopy(model).to(low)
+        low_sample = inputs.to(sample, dtype=low)
+        tol = TOLERANCE[low]
+        add(f"fp32 vs {str(low)[6:]} (full cast)", compare(_run(low_model, low_sample), base), tol,
+            lambda: first_divergence(model, sample, low_model, low_sample, tol))
+    if "optimized" in wanted:
+        opt = optimized if optimized is not None else optimize(model, dtype=low, level=level, sample_input=sample)
+        tol = opt.kiln_recipe.tolerance if hasattr(opt, "kiln_recipe") else TOLERANCE[low]
+        note = f"serving: {opt.kiln_report.active}" if hasattr(opt, "kiln_report") else ""
+        add(f"eager vs optimized ({str(low)[6:]})", compare(_run(opt, sample), base), tol, None, note)
+    return result

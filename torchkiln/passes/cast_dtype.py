@@ -1,0 +1,71 @@
+"""Cast a model to a low-precision dtype, keeping numerically sensitive modules
+(norms, softmax, losses) in fp32 behind a small wrapper that upcasts their
+inputs and casts their outputs back. Under torch.compile the casts fuse into the
+neighbouring kernels, so the islands cost almost nothing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Module classes (by name, so transformers' own norms match without importing it)
+# that stay fp32. Mirrors autocast's fp32 list at module granularity.
+DEFAULT_FP32_MODULES = (
+    "LayerNorm",
+    "GroupNorm",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LocalResponseNorm",
+    "Softmax",
+    "LogSoftmax",
+    "*RMSNorm",
+    "*Loss",
+)
+
+
+def _matches(cls_name: str, patterns) -> bool:
+    return any(cls_name.endswith(p[1:]) if p.startswith("*") else cls_name == p for p in patterns)
+
+
+class Fp32Island(nn.Module):
+    """Runs ``module`` in fp32 inside a low-precision model."""
+
+    def __init__(self, module: nn.Module, out_dtype: torch.dtype):
+        super().__init__()
+        self.module = module.float()
+        self.out_dtype = out_dtype
+
+    def forward(self, *args, **kwargs):
+        up = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        out = self.module(*up, **kwargs)
+        if torch.is_tensor(out) and out.is_floating_point():
+            return out.to(self.out_dtype)
+        return out
+
+
+def cast_dtype(model: nn.Module, dtype: torch.dtype, fp32_modules=DEFAULT_FP32_MODULES) -> nn.Module:
+    if dtype == torch.float32:
+        return model
+    _wrap(model, dtype, tuple(fp32_modules))
+    return model
+
+
+def _wrap(module: nn.Module, dtype, patterns) -> None:
+    for name, child in list(module.named_children()):
+        if isinstance(child, Fp32Island):
+            continue
+        if _matches(type(child).__name__, patterns):
+            setattr(module, name, Fp32Island(child, dtype))
+        else:
+            _wrap(child, dtype, patterns)
+    # Cast only this module's own tensors: islands keep theirs.
+    for key, p in module._parameters.items():
+        if p is not None and p.is_floating_point():
+            module._parameters[key] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+    for key, b in module._buffers.items():
+        if b is not None and b.is_floating_point():
+            module._buffers[key] = b.to(dtype)

@@ -1,0 +1,21 @@
+"""Linear + BatchNorm1d -> one Linear with adjusted weights."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.utils.fusion import fuse_linear_bn_eval
+
+from .fold_bn import fold
+
+
+def _fuse(linear, bn):
+    if linear.out_features != bn.num_features:
+        # BatchNorm1d over a (N, C, L) input normalises another axis: not foldable.
+        return None
+    return fuse_linear_bn_eval(linear, bn)
+
+
+def fold_linear_bn(model: nn.Module) -> nn.Module:
+    model, n = fold(model.eval(), (nn.Linear,), (nn.BatchNorm1d,), _fuse)
+    model._kiln_folded_linear_bn = n
+    return model

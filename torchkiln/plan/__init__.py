@@ -1,0 +1,85 @@
+"""plan(): hardware + model + knobs -> Recipe. Device-specific choices live in
+one module per device family (cpu.py, cuda.py, generic.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..hardware import Hardware
+from ..recipe import PASS_ORDER, Recipe
+from . import cpu, cuda, generic
+
+# ipex.optimize keyword -> the recipe pass it switches (None: handled specially).
+KNOB_PASSES = {
+    "conv_bn_folding": "fold_conv_bn",
+    "linear_bn_folding": "fold_linear_bn",
+    "replace_dropout_with_identity": "replace_dropout",
+    "concat_linear": "concat_linear",
+    "weights_prepack": "onednn_linear",
+}
+KNOBS = (*KNOB_PASSES, "graph_mode", "auto_kernel_selection", "optimize_lstm",
+         "split_master_weight_for_bf16", "fuse_update_step", "compile_options")
+# Knobs with no vendor-neutral meaning: accepted, warned about once, ignored.
+INTEL_ONLY = ("optimize_lstm", "split_master_weight_for_bf16", "fuse_update_step")
+
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+_FAMILIES = {"cpu": cpu, "cuda": cuda}
+
+
+def family(device: str):
+    return _FAMILIES.get(torch.device(device).type, generic)
+
+
+def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level: str,
+         knobs: dict, batch: int | None = None) -> Recipe:
+    notes: list[str] = []
+    fam = family(device)
+    dtype, why = fam.choose_dtype(hw, device, dtype)
+    if why:
+        notes.append(why)
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    if level == "O0":
+        passes = {"cast_dtype"} if dtype != torch.float32 else set()
+        recipe = Recipe(device=device, level=level, dtype=_name(dtype), compile=False,
+                        dtype_mode="cast" if passes else "none", tolerance=TOLERANCE[dtype],
+                        notes=("O0: no optimisation beyond the requested dtype",))
+        return _apply_knobs(recipe, knobs, model)
+    recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes)
+    recipe = recipe.replace(tolerance=TOLERANCE[dtype], dtype=_name(dtype), level=level)
+    return _apply_knobs(recipe, knobs, model)
+
+
+def _apply_knobs(recipe: Recipe, knobs: dict, model: nn.Module) -> Recipe:
+    passes = set(recipe.passes)
+    notes = list(recipe.notes)
+    changes: dict = {}
+    for knob, pass_name in KNOB_PASSES.items():
+        val = knobs.get(knob)
+        if val is None:
+            continue
+        if val:
+            passes.add(pass_name)
+            notes.append(f"{knob}=True: {pass_name} forced on")
+        else:
+            passes.discard(pass_name)
+            notes.append(f"{knob}=False: {pass_name} off")
+    if knobs.get("auto_kernel_selection") is False:
+        passes.discard("onednn_linear")
+        notes.append("auto_kernel_selection=False: stock aten GEMM path")
+    if "onednn_linear" in passes and recipe.device != "cpu":
+        passes.discard("onednn_linear")
+        notes.append("weights_prepack ignored: oneDNN prepacking applies to CPU only")
+    if knobs.get("graph_mode") is not None:
+        changes["compile"] = bool(knobs["graph_mode"])
+    if knobs.get("compile_options"):
+        opts = dict(recipe.compile_options)
+        opts.update(knobs["compile_options"])
+        changes["compile_options"] = tuple(sorted(opts.items()))
+    ordered = tuple(p for p in PASS_ORDER if p in passes)
+    gemm = "onednn" if "onednn_linear" in ordered else "aten"
+    return recipe.replace(passes=ordered, gemm=gemm, notes=tuple(notes), **changes)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

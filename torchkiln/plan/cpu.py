@@ -1,0 +1,82 @@
+"""CPU choices: bf16 only with native hardware support, oneDNN vs BLAS GEMM by
+measurement, inductor with freezing (constant-folds and prepacks weights)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..hardware import Hardware
+from ..passes.onednn_linear import available as onednn_available
+from ..passes.onednn_linear import measure as onednn_measure
+from ..recipe import Recipe
+
+
+def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
+    if dtype == torch.bfloat16 and not hw.cpu.bf16_native:
+        return torch.float32, ("bfloat16 requested but this CPU has no native bf16 (AVX512_BF16, "
+                               "AMX or Arm BF16): bf16 would be emulated and slower; kept float32")
+    if dtype == torch.float16 and not hw.cpu.fp16_native:
+        return torch.float32, ("float16 requested but this CPU has no native fp16 compute "
+                               "(AVX512_FP16/AMX-FP16): kept float32")
+    return dtype, None
+
+
+@functools.lru_cache(maxsize=32)
+def gemm_choice(dtype: torch.dtype, m: int, k: int, n: int) -> tuple[str, dict]:
+    """Measure, don't assume: which linear path is faster here for this dtype and shape.
+    Cached per process (a few tens of milliseconds per shape)."""
+    if not onednn_available(dtype):
+        return "aten", {}
+    rates = onednn_measure(dtype, m, k, n)
+    # A 10% margin: replacing modules is only worth it for a clear win.
+    return ("onednn" if rates["onednn"] > 1.1 * rates["aten"] else "aten"), rates
+
+
+def _typical_linear(model: nn.Module) -> tuple[int, int] | None:
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear]
+    if not shapes:
+        return None
+    return max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1])
+
+
+def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
+    passes = {"replace_dropout", "fold_conv_bn", "fold_linear_bn"}
+    if dtype != torch.float32:
+        passes.add("cast_dtype")
+    fmt = "contiguous"
+    if has_conv:
+        passes.add("channels_last")
+        fmt = "channels_last"
+        notes.append("conv net: channels_last (oneDNN's fastest conv layout)")
+    shape = _typical_linear(model)
+    gemm = "aten"
+    if shape:
+        m = max(16, min(batch or 128, 4096))
+        gemm, rates = gemm_choice(dtype, m, *shape)
+        if rates:
+            notes.append(f"GEMM {str(dtype)[6:]} {m}x{shape[0]}x{shape[1]} measured: aten {rates['aten']} "
+                         f"vs oneDNN {rates['onednn']} GFLOP/s -> {gemm}")
+        if gemm == "onednn":
+            passes.add("onednn_linear")
+    options = {"freezing": True}
+    if level == "O2":
+        passes.add("concat_linear")
+        notes.append("O2: concat sibling linears")
+        if gemm != "onednn":
+            # inductor's cpp_wrapper asserts oneDNN weights are graph constants; our
+            # packed buffers are not, so the two don't mix (InductorError on torch 2.13).
+            options["cpp_wrapper"] = True
+            notes.append("O2: C++ wrapper (less Python overhead per call)")
+    return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
+                  fp32_modules=_fp32_modules(dtype), passes=tuple(passes), memory_format=fmt,
+                  gemm=gemm, compile=True, compile_options=tuple(sorted(options.items())),
+                  freezing=True, notes=tuple(notes))
+
+
+def _fp32_modules(dtype):
+    from ..passes.cast_dtype import DEFAULT_FP32_MODULES
+
+    return DEFAULT_FP32_MODULES if dtype != torch.float32 else ()

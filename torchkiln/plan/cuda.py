@@ -1,0 +1,47 @@
+"""CUDA (and ROCm) choices: bf16/fp16 by compute capability, channels_last for
+conv nets, inductor with freezing (constant folding, conv-bn folding and
+sibling-matmul concatenation on GPU), and at O2 max-autotune plus CUDA graphs
+for small batches where launch overhead dominates."""
+
+from __future__ import annotations
+
+import torch
+
+from ..hardware import Hardware
+from ..recipe import Recipe
+
+SMALL_BATCH = 16
+
+
+def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
+    acc = hw.accelerator(device)
+    if acc is None or dtype == torch.float32:
+        return dtype, None
+    native = {torch.bfloat16: acc.bf16, torch.float16: acc.fp16}.get(dtype)
+    if native is False:
+        return torch.float32, (f"{dtype} requested but {acc.name} (capability {acc.capability}) "
+                               f"does not run it natively; kept float32")
+    return dtype, None
+
+
+def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
+    passes = {"replace_dropout", "fold_conv_bn", "fold_linear_bn"}
+    if dtype != torch.float32:
+        passes.add("cast_dtype")
+    fmt = "contiguous"
+    if has_conv:
+        passes.add("channels_last")
+        fmt = "channels_last"
+        notes.append("conv net: channels_last (cuDNN's tensor-core conv layout)")
+    options: dict = {"freezing": True}
+    if level == "O2":
+        options["max_autotune"] = True
+        notes.append("O2: max-autotune GEMM/conv selection (slow first compile, cached on disk)")
+        if batch is not None and batch <= SMALL_BATCH:
+            options["triton.cudagraphs"] = True
+            notes.append(f"O2: batch {batch} <= {SMALL_BATCH}: CUDA graphs remove launch overhead")
+    return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
+                  fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten",
+                  compile=True, compile_options=tuple(sorted(options.items())), freezing=True,
+                  notes=tuple(notes) + (("CUDA norm/softmax kernels accumulate in fp32 already: "
+                                         "no fp32 islands needed",) if dtype != torch.float32 else ()))
