@@ -9,11 +9,11 @@ configuration, no torch settings, no environment changes.
 
 __version__ = "0.1.0"
 
+from .bench import bench  # noqa: E402
+from .check import check  # noqa: E402
 from .hardware import default_device, detect, devices  # noqa: E402
-
-__all__ = ["__version__", "detect", "devices", "default_device"]
-
 from .optimize import KilnModule, optimize, report  # noqa: E402
 from .recipe import Recipe  # noqa: E402
 
-__all__ += ["optimize", "report", "KilnModule", "Recipe"]
+__all__ = ["__version__", "detect", "devices", "default_device", "optimize", "report", "check", "bench",
+           "KilnModule", "Recipe"]

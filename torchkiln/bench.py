@@ -3,8 +3,8 @@ would try, timed the same way in the same process, with error against fp32 eager
 
 Peers: eager fp32; torch.compile default; torch.compile with freezing (CPU);
 and where a low dtype is asked, torch.compile on the fully cast model and under
-autocast (with freezing on CPU). bench() resets dynamo between peers so that
-their compiled code cannot leak into each other's timings.
+autocast (with freezing on CPU). Each compiled peer gets its own dynamo cache
+(passes.compile.Fresh), so peers can't share compiled graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from . import inputs
 from .guard import compare
 from .optimize import _model_device, optimize, parse_dtype
 from .passes import compile_model
+from .passes.compile import Fresh
 
 
 @dataclass
@@ -173,7 +174,7 @@ def peers_for(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
     low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     peers: dict[str, Callable] = {
         "eager": lambda m: m,
-        "compile": lambda m: torch.compile(m),
+        "compile": lambda m: torch.compile(Fresh(m)),
     }
     if freeze:
         peers["compile+freezing"] = lambda m: compile_model(m, freeze)
@@ -200,8 +201,11 @@ def _autocast(fn, device, dtype):
 
 def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = "O1", warmup: int = 5,
           iters: int = 20, peers: list[str] | None = None, name: str = "model", progress: bool = True,
-          gemm_peak_gflops: float | None = None, **knobs) -> BenchResult:
-    """Time torchkiln against stock peers on ``sample_input``. Inference (no_grad)."""
+          gemm_peak_gflops: float | None = None, rounds: int = 5, **knobs) -> BenchResult:
+    """Time torchkiln against stock peers on ``sample_input``. Inference (no_grad).
+
+    Every peer is built first; then ``iters`` timed calls per peer are spread over
+    ``rounds`` interleaved rounds (each after one warm-up call)."""
     compute = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else _model_device(model)
     model = model.eval()
@@ -222,11 +226,13 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     builders = dict(all_peers)
     if peers is None or "torchkiln" in peers:
         builders["torchkiln"] = None
+    # Build (and compile) every peer first, then time them interleaved in rounds:
+    # drift on a noisy machine then hits all peers alike instead of whichever ran last.
+    built: dict[str, tuple] = {}
+    rounds = max(1, min(rounds, iters))
     with _progress(progress) as prog:
+        task = prog.add_task("build + compile", total=len(builders)) if prog else None
         for peer, build in builders.items():
-            task = prog.add_task(peer, total=warmup + iters) if prog else None
-            tick = (lambda t=task: prog.advance(t)) if prog else None
-            torch._dynamo.reset()
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
@@ -240,21 +246,30 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
                 out = fn(*sample[0], **sample[1])
                 synchronize(dev)
                 setup = time.perf_counter() - t0
-                times = _time(fn, *sample, dev, warmup=max(0, warmup - 1), iters=iters, tick=tick)
-            if tick:
-                tick()
-            med = statistics.median(times)
+                _time(fn, *sample, dev, warmup=max(0, warmup - 1), iters=0)
             mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
             err = compare(inputs.tree_map(lambda t: t.float() if t.is_floating_point() else t, out), ref)
-            row = Row(name=peer, median_ms=med * 1e3, p90_ms=_pct(times, 0.9) * 1e3, p99_ms=_pct(times, 0.99) * 1e3,
-                      throughput=(result.batch or 1) / med, peak_mem_mb=mem, setup_s=round(setup, 2),
-                      rel_err=err.rel, note=note)
-            if flops:
-                row.gflops = flops / med / 1e9
-                if gemm_peak_gflops:
-                    row.peak_frac = row.gflops / gemm_peak_gflops
-            result.rows.append(row)
-            del fn
+            built[peer] = (fn, setup, mem, err, note, [])
+            if prog:
+                prog.advance(task)
+        task = prog.add_task("timing (interleaved)", total=rounds * len(built)) if prog else None
+        per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+        with torch.no_grad():
+            for n in per_round:
+                for fn, _, _, _, _, times in built.values():
+                    times += _time(fn, *sample, dev, warmup=1, iters=n)
+                    if prog:
+                        prog.advance(task)
+    for peer, (_fn, setup, mem, err, note, times) in built.items():
+        med = statistics.median(times)
+        row = Row(name=peer, median_ms=med * 1e3, p90_ms=_pct(times, 0.9) * 1e3, p99_ms=_pct(times, 0.99) * 1e3,
+                  throughput=(result.batch or 1) / med, peak_mem_mb=mem, setup_s=round(setup, 2),
+                  rel_err=err.rel, note=note)
+        if flops:
+            row.gflops = flops / med / 1e9
+            if gemm_peak_gflops:
+                row.peak_frac = row.gflops / gemm_peak_gflops
+        result.rows.append(row)
     eager = result.rows[0].median_ms
     for r in result.rows:
         r.speedup = round(eager / r.median_ms, 3)

@@ -137,7 +137,7 @@ def check(model: nn.Module, sample_input, dtype=torch.bfloat16, level: str = "O1
         add(f"fp32 vs {str(low)[6:]} (full cast)", compare(_run(low_model, low_sample), base), tol,
             lambda: first_divergence(model, sample, low_model, low_sample, tol))
     if "optimized" in wanted:
-        opt = optimized if optimized is not None else optimize(model, dtype=low, level=level, sample_input=sample)
+        opt = optimized if optimized is not None else optimize(model, dtype=low, level=level, sample_input=sample_input)
         tol = opt.kiln_recipe.tolerance if hasattr(opt, "kiln_recipe") else TOLERANCE[low]
         note = f"serving: {opt.kiln_report.active}" if hasattr(opt, "kiln_report") else ""
         add(f"eager vs optimized ({str(low)[6:]})", compare(_run(opt, sample), base), tol, None, note)

@@ -121,7 +121,7 @@ def register(sub, common) -> None:
     d.add_argument("--dtype", default="float32")
     d.add_argument("--iters", type=int, default=10)
     d.add_argument("--warmup", type=int, default=3)
-    d.add_argument("--peers", default="eager,compile+freezing", help="peers to time (default: the fast ones)")
+    d.add_argument("--peers", default="compile+freezing,torchkiln", help="peers besides eager (default: the strongest stock CPU peer and torchkiln)")
     d.add_argument("--plot", help="write a bar chart PNG here")
     d.add_argument("--force", action="store_true")
     d.add_argument("--no-progress", action="store_true")

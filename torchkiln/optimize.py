@@ -18,7 +18,6 @@ import itertools
 import logging
 import threading
 import time
-import types
 import warnings
 
 import torch
@@ -37,6 +36,8 @@ from .passes import (
     onednn_linear,
     replace_dropout,
 )
+from .passes.onednn_linear import input_rows
+from .passes.sdpa_math import SDPARouter
 from .plan import INTEL_ONLY, KNOBS, plan
 from .recipe import Recipe
 from .report import Fallback, Report
@@ -48,7 +49,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _warned: set = set()
-_runner_ids = itertools.count()
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -87,11 +87,8 @@ class _Runner(nn.Module):
         self.compute = compute
         self.device_type = torch.device(recipe.device).type
         self.channels_last = recipe.memory_format == "channels_last"
-        # A distinct forward code object per runner: dynamo keys its cache (and
-        # its recompile limit) on code objects, and each runner is its own model.
-        n = next(_runner_ids)
-        code = _Runner._forward.__code__.replace(co_name=f"kiln_forward_{n}")
-        self.forward = types.MethodType(types.FunctionType(code, _Runner._forward.__globals__), self)
+        self.router = SDPARouter() if recipe.attention == "auto" else None
+        self.calibrated = self.router is None
 
     def _convert_in(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
@@ -101,14 +98,32 @@ class _Runner(nn.Module):
                 t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
         return t
 
-    def _forward(self, *args, **kwargs):
-        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
-        args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
+    def calibrate(self, args, kwargs) -> None:
+        """One eager call on real inputs, so the attention router can time its choices."""
+        if self.calibrated:
+            return
+        self.router.calibrating = True
+        try:
+            with torch.no_grad():
+                self.forward(*args, **kwargs)
+        finally:
+            self.router.calibrating = False
+            self.calibrated = True
+
+    def _call(self, args, kwargs):
         if self.autocast:
             with torch.autocast(self.device_type, dtype=self.compute):
-                out = self.fast(*args, **kwargs)
+                return self.fast(*args, **kwargs)
+        return self.fast(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
+        if self.router is not None:
+            with self.router:
+                out = self._call(args, kwargs)
         else:
-            out = self.fast(*args, **kwargs)
+            out = self._call(args, kwargs)
         if self.cast or self.autocast:
             out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
         return out
@@ -150,13 +165,19 @@ def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, 
             elif name == "channels_last":
                 fast = channels_last(fast)
             elif name == "onednn_linear":
-                hint = inputs.batch_size(sample) if sample else None
-                fast = onednn_linear(fast, hint)
+                rows = input_rows(fast, *_runner_inputs(sample, device, compute, recipe)) if sample else None
+                fast = onednn_linear(fast, rows)
             applied.append(name)
         except Exception as e:  # one pass failing must not cost the others
             fallbacks.append(Fallback(name, "skipped", f"{type(e).__name__}: {e}"))
             _warn_once(f"pass:{name}:{type(e).__name__}", f"torchkiln: pass {name} failed and was skipped: {e}")
     return fast
+
+
+def _runner_inputs(sample: inputs.Args, device, compute: torch.dtype, recipe: Recipe) -> inputs.Args:
+    """The sample as the fast model sees it inside the runner (device, dtype)."""
+    cast = recipe.dtype_mode == "cast" and compute != torch.float32
+    return inputs.to(sample, device, compute if cast else None)
 
 
 class KilnModule(nn.Module):
@@ -194,12 +215,13 @@ class KilnModule(nn.Module):
             tag = rec.dtype
             if rec.compile:
                 opts = dict(rec.compile_options)
-                yield f"compiled full graph ({tag})", compile_model(runner, opts, fullgraph=True, dynamic=rec.dynamic)
+                yield f"compiled full graph ({tag})", compile_model(runner, opts, fullgraph=True,
+                                                                    dynamic=rec.dynamic, private=True), runner
                 yield f"compiled with graph breaks ({tag})", compile_model(runner, opts, fullgraph=False,
-                                                                            dynamic=rec.dynamic)
-            yield f"eager passes ({tag})", runner
+                                                                            dynamic=rec.dynamic, private=True), runner
+            yield f"eager passes ({tag})", runner, runner
         report.applied = []
-        yield "original model", self.kiln_original
+        yield "original model", self.kiln_original, None
 
     def _advance(self, args, kwargs, reason: str | None) -> object:
         """Step down the chain until a step runs these inputs and passes the guard."""
@@ -211,12 +233,16 @@ class KilnModule(nn.Module):
                 ref = self.kiln_original(*ref_args, **ref_kwargs)
         tol = self.kiln_recipe.tolerance
         label_prev = report.active
-        for label, fn in self._chain:
+        for label, fn, runner in self._chain:
             if reason is not None:
                 report.fallbacks.append(Fallback(label_prev, label, reason))
                 _warn_once(f"fb:{id(self)}:{label_prev}", f"torchkiln: {label_prev} -> {label}: {reason}")
             t0 = time.perf_counter()
             try:
+                if runner is not None and not runner.calibrated:
+                    runner.calibrate(args, kwargs)
+                    if runner.router.timings:
+                        report.applied.append("sdpa_math: " + runner.router.summary())
                 with torch.no_grad():
                     out = fn(*args, **kwargs)
             except Exception as e:

@@ -32,6 +32,7 @@ class Recipe:
     passes: tuple[str, ...] = ()  # in PASS_ORDER order
     memory_format: str = "contiguous"  # contiguous | channels_last
     gemm: str = "aten"  # aten | onednn (CPU linear path)
+    attention: str = "sdpa"  # sdpa | auto (math form where measured faster, per shape)
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
     freezing: bool = False
@@ -71,6 +72,7 @@ class Recipe:
         lines.append(f"  passes       {', '.join(self.passes) or '-'}")
         lines.append(f"  layout       {self.memory_format}")
         lines.append(f"  gemm         {self.gemm}")
+        lines.append(f"  attention    {self.attention}")
         if self.compile:
             opts = ", ".join(f"{k}={v}" for k, v in self.compile_options)
             lines.append(

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from torchkiln.passes import OneDNNLinear, onednn_linear
-from torchkiln.passes.onednn_linear import available, measure
+from torchkiln.passes.onednn_linear import available, input_rows, measure
 
 pytestmark = pytest.mark.skipif(not available(torch.float32), reason="torch built without oneDNN")
 
@@ -14,9 +14,15 @@ def test_matches_float64_reference(shape):
     x = torch.randn(*shape)
     ref = m.double()(x.double())
     m.float()
-    out = onednn_linear(m, batch_hint=5)
+    out = onednn_linear(m, input_rows(m, (x,), {}))
     assert isinstance(out[0], OneDNNLinear) and isinstance(out[2], OneDNNLinear)
     torch.testing.assert_close(out(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_input_rows_counts_gemm_rows():
+    m = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    rows = input_rows(m, (torch.randn(3, 5, 8),), {})
+    assert rows == {m[0]: 15, m[1]: 15}
 
 
 def test_parameters_are_shared_not_copied():

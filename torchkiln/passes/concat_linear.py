@@ -55,11 +55,15 @@ class ConcatSlice(nn.Module):
 def find_groups(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, list[str]]]:
     """[(parent_name, [child names])] of Linears under one parent that got the same input."""
     seen: dict = {}  # name -> the input tensor itself: holding it keeps its id() unique
+
+    def record(name, inp):  # returns None: a pre-hook's return value would replace the input
+        if inp:
+            seen.setdefault(name, inp[0])
+
     hooks = []
     for name, mod in model.named_modules():
         if type(mod) is nn.Linear:
-            hooks.append(mod.register_forward_pre_hook(
-                lambda m, inp, name=name: seen.setdefault(name, inp[0]) if inp else None))
+            hooks.append(mod.register_forward_pre_hook(lambda m, inp, name=name: record(name, inp)))
     try:
         with torch.no_grad():
             model(*args, **kwargs)

@@ -52,15 +52,33 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def onednn_linear(model: nn.Module, batch_hint: int | None = None) -> nn.Module:
-    """Replace every CPU nn.Linear whose dtype oneDNN supports. Mutates and returns ``model``."""
-    n = 0
+def input_rows(model: nn.Module, args: tuple, kwargs: dict) -> dict[nn.Module, int]:
+    """Rows (M of the GEMM: batch x sequence for text) each Linear sees in one sample run.
+    oneDNN picks the packed layout for an M; packing for the wrong M costs ~10%."""
+    rows: dict[nn.Module, int] = {}
+
+    def record(mod, inp):  # must return None: a pre-hook's return value replaces the input
+        rows.setdefault(mod, inp[0].numel() // inp[0].shape[-1])
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if type(m) is nn.Linear]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rows
+
+
+def onednn_linear(model: nn.Module, rows: dict[nn.Module, int] | None = None) -> nn.Module:
+    """Replace every CPU nn.Linear whose dtype oneDNN supports. ``rows`` (from
+    ``input_rows``) tunes each packed layout. Mutates and returns ``model``."""
+    rows = rows or {}
     for name, child in list(model.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu" and available(child.weight.dtype):
-            setattr(model, name, OneDNNLinear(child, batch_hint))
-            n += 1
+            setattr(model, name, OneDNNLinear(child, rows.get(child)))
         else:
-            onednn_linear(child, batch_hint)
+            onednn_linear(child, rows)
     return model
 
 

@@ -1,0 +1,45 @@
+import torch
+from torch import nn
+
+import torchkiln as tk
+from torchkiln import cli
+from torchkiln.check import check
+
+
+class GradSensitive(nn.Module):
+    """Reproduces the IPEX XPU bug class: output changes when grad is disabled."""
+
+    def forward(self, x):
+        return x * (1.0 if torch.is_grad_enabled() else 1.5)
+
+
+def model(bug=False):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), GradSensitive() if bug else nn.Identity(),
+                         nn.Linear(16, 4)).eval()
+
+
+def test_consistent_model_passes_all_checks():
+    r = tk.check(model(), torch.randn(4, 16), dtype=torch.bfloat16)
+    names = [row.name for row in r.rows]
+    assert names == ["grad vs no_grad", "grad vs inference_mode", "fp32 vs bfloat16 (full cast)",
+                     "eager vs optimized (bfloat16)"]
+    assert r.ok
+    bf16 = r.rows[2].error["rel"]
+    assert 1e-5 < bf16 < 5e-2  # a real bf16 error, not a comparison of a run with itself
+
+
+def test_grad_mode_divergence_is_caught_and_located():
+    r = check(model(bug=True), torch.randn(4, 16), checks=("no_grad", "inference_mode"))
+    assert not r.ok
+    for row in r.rows:
+        assert not row.ok and row.first_divergence.startswith("2 (GradSensitive)")
+    assert "DIVERGES" in str(r) and "first diverging submodule: 2 (GradSensitive)" in str(r)
+
+
+def test_cli_check_json_and_exit_code(capsys):
+    import json
+
+    assert cli.main(["check", "mlp", "--batch", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is True and len(out["checks"]) == 4
