@@ -53,13 +53,14 @@ class BenchResult:
     gemm_peak_gflops: float | None = None
 
     def best_peer(self) -> Row | None:
-        peers = [r for r in self.rows if r.name != "torchkiln" and r.name != "eager"]
+        peers = [r for r in self.rows if not r.name.startswith("torchkiln") and r.name != "eager"]
         same_dtype = [r for r in peers if self.dtype == "float32" or "bf16" in r.name or "fp16" in r.name]
         pool = same_dtype or peers
         return min(pool, key=lambda r: r.median_ms) if pool else None
 
     def vs_best_peer(self) -> float | None:
-        tk_row = next((r for r in self.rows if r.name == "torchkiln"), None)
+        kiln = [r for r in self.rows if r.name.startswith("torchkiln")]
+        tk_row = min(kiln, key=lambda r: r.median_ms) if kiln else None
         peer = self.best_peer()
         return round(peer.median_ms / tk_row.median_ms, 3) if tk_row and peer else None
 
@@ -84,7 +85,8 @@ class BenchResult:
                          + (f"  {r.note}" if r.note else ""))
         ratio = self.vs_best_peer()
         if ratio is not None:
-            lines.append(f"torchkiln vs best peer ({self.best_peer().name}): {ratio:.2f}x")
+            best = min((r for r in self.rows if r.name.startswith("torchkiln")), key=lambda r: r.median_ms)
+            lines.append(f"{best.name} vs best peer ({self.best_peer().name}): {ratio:.2f}x")
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
@@ -98,7 +100,7 @@ class BenchResult:
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(self.rows) + 1.5))
         names = [r.name for r in self.rows]
         vals = [r.median_ms for r in self.rows]
-        colors = ["#d9480f" if n == "torchkiln" else "#868e96" for n in names]
+        colors = ["#d9480f" if n.startswith("torchkiln") else "#868e96" for n in names]
         ax.barh(names, vals, color=colors)
         for i, r in enumerate(self.rows):
             ax.text(r.median_ms, i, f" {r.median_ms:.2f} ms ({r.speedup:.2f}x)", va="center")
@@ -213,19 +215,21 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
         model = copy.deepcopy(model).to(dev)
     sample = inputs.to(inputs.normalize(sample_input), dev)
     all_peers = peers_for(dev, compute)
+    kiln_variants = ("torchkiln", "torchkiln-O0", "torchkiln-O1", "torchkiln-O2")
     if peers is not None:
-        bad = set(peers) - set(all_peers) - {"torchkiln"}
+        bad = set(peers) - set(all_peers) - set(kiln_variants)
         if bad:
-            raise ValueError(f"unknown peers {sorted(bad)}; available: {sorted(all_peers)} and 'torchkiln'")
+            raise ValueError(f"unknown peers {sorted(bad)}; available: {sorted(all_peers)} and {kiln_variants}")
         all_peers = {k: v for k, v in all_peers.items() if k in peers or k == "eager"}
     with torch.no_grad():
         ref = model(*sample[0], **sample[1])
     flops = model_flops(model, sample)
     result = BenchResult(model=name, device=str(dev), dtype=str(compute).removeprefix("torch."),
                          batch=inputs.batch_size(sample), flops=flops, gemm_peak_gflops=gemm_peak_gflops)
-    builders = dict(all_peers)
-    if peers is None or "torchkiln" in peers:
-        builders["torchkiln"] = None
+    builders: dict = dict(all_peers)
+    for variant in kiln_variants:  # None marks a torchkiln build; the suffix is its level
+        if (peers is None and variant == "torchkiln") or (peers is not None and variant in peers):
+            builders[variant] = None
     # Build (and compile) every peer first, then time them interleaved in rounds:
     # drift on a noisy machine then hits all peers alike instead of whichever ran last.
     built: dict[str, tuple] = {}
@@ -239,7 +243,8 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
             note = ""
             with torch.no_grad():
                 if build is None:
-                    fn = optimize(model, dtype=compute, level=level, sample_input=sample_input, device=dev, **knobs)
+                    lvl = peer.partition("-")[2] or level
+                    fn = optimize(model, dtype=compute, level=lvl, sample_input=sample_input, device=dev, **knobs)
                     note = fn.kiln_report.active
                 else:
                     fn = build(model if peer == "eager" else copy.deepcopy(model))
