@@ -29,6 +29,21 @@ def test_consistent_model_passes_all_checks():
     assert 1e-5 < bf16 < 5e-2  # a real bf16 error, not a comparison of a run with itself
 
 
+def test_errors_are_reported_per_output():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    r = check(Two().eval(), torch.randn(4, 8), checks=("dtype",))
+    (row,) = r.rows
+    assert len(row.per_output) == 2 and all(0 < e < 5e-2 for e in row.per_output)
+    assert "per output: [0]" in str(r)
+
+
 def test_grad_mode_divergence_is_caught_and_located():
     r = check(model(bug=True), torch.randn(4, 16), checks=("no_grad", "inference_mode"))
     assert not r.ok

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import inputs
-from .guard import Error, compare
+from .guard import compare, compare_each
 from .optimize import _model_device, optimize, parse_dtype
 from .plan import TOLERANCE
 
@@ -34,6 +34,7 @@ class CheckRow:
     ok: bool
     first_divergence: str | None = None
     note: str = ""
+    per_output: list = field(default_factory=list)  # rel error of each output tensor
 
 
 @dataclass
@@ -53,6 +54,8 @@ class CheckResult:
             e = r.error
             lines.append(f"{r.name:<34}{e['rel']:>10.2g}{e['max_abs']:>10.2g}{r.tolerance:>11.0e}  "
                          f"{'ok' if r.ok else 'DIVERGES'}" + (f"  {r.note}" if r.note else ""))
+            if len(r.per_output) > 1:
+                lines.append("    per output: " + ", ".join(f"[{i}] {e:.2g}" for i, e in enumerate(r.per_output)))
             if r.first_divergence:
                 lines.append(f"    first diverging submodule: {r.first_divergence}")
         lines.append("all consistent" if self.ok else "INCONSISTENT: see rows marked DIVERGES")
@@ -113,32 +116,34 @@ def check(model: nn.Module, sample_input, dtype=torch.bfloat16, level: str = "O1
     result = CheckResult()
     base = _run(model, sample, "grad")
 
-    def add(name, err: Error, tol, locate=None, note=""):
+    def add(name, out, ref, tol, locate=None, note=""):
+        err = compare(out, ref)
         ok = err.ok(tol)
         where = locate() if (not ok and locate) else None
-        result.rows.append(CheckRow(name, err.to_dict(), tol, ok, where, note))
+        each = [e.rel for e in compare_each(out, ref)]
+        result.rows.append(CheckRow(name, err.to_dict(), tol, ok, where, note, each))
 
     if "no_grad" in wanted:
-        add("grad vs no_grad", compare(_run(model, sample, "no_grad"), base), MODE_TOLERANCE,
+        add("grad vs no_grad", _run(model, sample, "no_grad"), base, MODE_TOLERANCE,
             lambda: first_divergence(model, sample, model, sample, MODE_TOLERANCE, "grad", "no_grad"))
     if "inference_mode" in wanted:
-        add("grad vs inference_mode", compare(_run(model, sample, "inference_mode"), base), MODE_TOLERANCE,
+        add("grad vs inference_mode", _run(model, sample, "inference_mode"), base, MODE_TOLERANCE,
             lambda: first_divergence(model, sample, model, sample, MODE_TOLERANCE, "grad", "inference_mode"))
     if "device_vs_cpu" in wanted and dev.type != "cpu":
         cpu_model = copy.deepcopy(model).cpu()
         cpu_sample = inputs.to(sample, "cpu")
         tol = TOLERANCE[torch.float32]
-        add(f"{dev.type} vs cpu", compare(_run(model, sample), _run(cpu_model, cpu_sample)), tol,
+        add(f"{dev.type} vs cpu", _run(model, sample), _run(cpu_model, cpu_sample), tol,
             lambda: first_divergence(model, sample, cpu_model, cpu_sample, tol))
     if "dtype" in wanted and low != torch.float32:
         low_model = copy.deepcopy(model).to(low)
         low_sample = inputs.to(sample, dtype=low)
         tol = TOLERANCE[low]
-        add(f"fp32 vs {str(low)[6:]} (full cast)", compare(_run(low_model, low_sample), base), tol,
+        add(f"fp32 vs {str(low)[6:]} (full cast)", _run(low_model, low_sample), base, tol,
             lambda: first_divergence(model, sample, low_model, low_sample, tol))
     if "optimized" in wanted:
         opt = optimized if optimized is not None else optimize(model, dtype=low, level=level, sample_input=sample_input)
         tol = opt.kiln_recipe.tolerance if hasattr(opt, "kiln_recipe") else TOLERANCE[low]
         note = f"serving: {opt.kiln_report.active}" if hasattr(opt, "kiln_report") else ""
-        add(f"eager vs optimized ({str(low)[6:]})", compare(_run(opt, sample), base), tol, None, note)
+        add(f"eager vs optimized ({str(low)[6:]})", _run(opt, sample), base, tol, None, note)
     return result

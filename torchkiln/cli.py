@@ -41,7 +41,7 @@ def _cmd_doctor(args) -> int:
         state = "usable" if acc["usable"] else f"UNUSABLE: {acc['problem']}"
         dts = [d for d in ("bf16", "fp16", "fp8") if acc[d]]
         print(
-            f"{acc['type']}:{acc['index']:<6}{acc['name'] or '?'}, {_gib(acc['memory_bytes'])}, "
+            f"{acc['type'] + ':' + str(acc['index']):<9}{acc['name'] or '?'}, {_gib(acc['memory_bytes'])}, "
             f"capability {acc['capability'] or '?'}, native {'/'.join(dts) or '?'}  [{state}]"
         )
     backends = ", ".join(k for k, v in sw["backends"].items() if v)

@@ -52,3 +52,11 @@ def compare(out, ref) -> Error:
     if y0.dim() == 2 and y0.shape[1] > 1:
         agree = float((x0.argmax(-1) == y0.argmax(-1)).double().mean())
     return Error(max_abs, rel, agree)
+
+
+def compare_each(out, ref) -> list[Error]:
+    """One Error per output tensor (flattened order), for per-output reports."""
+    a, b = flatten(out), flatten(ref)
+    if len(a) != len(b):
+        return [Error(math.inf, math.inf, None, shapes_match=False)]
+    return [compare(x, y) for x, y in zip(a, b, strict=True)]

@@ -13,6 +13,7 @@ and warned about once. The original model is kept (not copied) for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import logging
@@ -267,7 +268,18 @@ class KilnModule(nn.Module):
             return out
         raise RuntimeError("unreachable: the original model ends the chain")
 
+    def _flags(self):
+        """Backend flags the recipe wants, set for the duration of our call only."""
+        if not self.kiln_recipe.cudnn_benchmark:
+            return contextlib.nullcontext()
+        c = torch.backends.cudnn
+        return c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
+
     def forward(self, *args, **kwargs):
+        with self._flags():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
         fn = self._fn
         if fn is None:
             with self._lock:
@@ -287,7 +299,7 @@ class KilnModule(nn.Module):
                     self.kiln_original(*args, **kwargs)
                 if self._fn is fn:
                     return self._advance(args, kwargs, f"{type(e).__name__}: {_first_line(e)}")
-            return self.forward(*args, **kwargs)
+            return self._forward(args, kwargs)
 
     # The original's checkpoint format, both ways.
     def state_dict(self, *args, **kwargs):

@@ -33,6 +33,7 @@ class Recipe:
     memory_format: str = "contiguous"  # contiguous | channels_last
     gemm: str = "aten"  # aten | onednn (CPU linear path)
     attention: str = "sdpa"  # sdpa | auto (math form where measured faster, per shape)
+    cudnn_benchmark: bool = False  # let cuDNN time its conv algorithms (during torchkiln's calls only)
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
     freezing: bool = False

@@ -94,13 +94,13 @@ def probe(device_type: str, indices: list[int], timeout: float | None = None) ->
     children = {}
     start = time.monotonic()
     for i in todo:
-        code = f"from torchkiln.hardware.probe import _child_main; _child_main({device_type!r}, {i})"
+        # This file runs as a plain script (stdlib imports only), so the child
+        # imports nothing before the device touch but torch itself.
         children[i] = subprocess.Popen(
-            [sys.executable, "-c", code],
+            [sys.executable, os.path.abspath(__file__), device_type, str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_child_env(),
         )
     for i, proc in children.items():
         key = f"{device_type}:{i}"
@@ -142,13 +142,9 @@ def _parse(out: str) -> dict | None:
     return None
 
 
-def _child_env() -> dict:
-    # The child must find this very torchkiln even when run from a source tree.
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def clear_cache() -> None:
     _cache.clear()
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1], int(sys.argv[2]))

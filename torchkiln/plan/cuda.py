@@ -32,7 +32,7 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     if has_conv:
         passes.add("channels_last")
         fmt = "channels_last"
-        notes.append("conv net: channels_last (cuDNN's tensor-core conv layout)")
+        notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
     options: dict = {"freezing": True}
     if level == "O2":
         options["max_autotune"] = True
@@ -41,7 +41,7 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
             options["triton.cudagraphs"] = True
             notes.append(f"O2: batch {batch} <= {SMALL_BATCH}: CUDA graphs remove launch overhead")
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
-                  fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten",
+                  fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten", cudnn_benchmark=has_conv,
                   compile=True, compile_options=tuple(sorted(options.items())), freezing=True,
                   notes=tuple(notes) + (("CUDA norm/softmax kernels accumulate in fp32 already: "
                                          "no fp32 islands needed",) if dtype != torch.float32 else ()))
