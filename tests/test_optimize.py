@@ -24,8 +24,9 @@ def mlp():
 
 def cnn():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                      nn.Flatten(), nn.Linear(8, 5)).eval()
+    # The second conv has no BatchNorm: passes must still leave its weight alone.
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 1),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
     with torch.no_grad():
         m[1].running_mean.uniform_(-1, 1)
         m[1].running_var.uniform_(0.5, 2)
@@ -62,6 +63,22 @@ def test_state_dict_keeps_keys_and_values_and_loads_both_ways():
     fresh = cnn()
     fresh.load_state_dict(o.state_dict())  # and back into a plain model
     torch.testing.assert_close(fresh(x), other(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_original_model_is_never_mutated(dtype):
+    if dtype is not None and not tk.detect().cpu.bf16_native:
+        pytest.skip("no native bf16 on this CPU")
+    m, x = cnn(), torch.randn(2, 3, 8, 8)
+    before = {k: (v.data_ptr(), v.stride(), v.clone()) for k, v in m.state_dict(keep_vars=True).items()}
+    kinds = [type(c) for c in m.modules()]
+    o = tk.optimize(m, dtype=dtype, sample_input=x)
+    o(x)
+    assert [type(c) for c in m.modules()] == kinds  # no folded/replaced submodules
+    for k, v in m.state_dict(keep_vars=True).items():
+        ptr, stride, val = before[k]
+        assert v.data_ptr() == ptr and v.stride() == stride and v.dtype == val.dtype, k
+        torch.testing.assert_close(v, val, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("form", ["tensor", "tuple", "dict"])

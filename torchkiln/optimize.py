@@ -133,17 +133,17 @@ class _Runner(nn.Module):
 def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, inplace: bool,
                applied: list[str], fallbacks: list[Fallback]) -> nn.Module:
     """Apply the recipe's eager passes to a copy that shares untouched tensors with ``original``."""
+    device = torch.device(recipe.device)
     if inplace:
-        fast = original
+        fast = original.to(device)
     else:
         # Share parameter and buffer tensors: passes that change a tensor make a new
         # one, so the original stays intact without doubling memory for the rest.
-        memo = {id(t): t for t in itertools.chain(original.parameters(), original.buffers())}
+        # (Module.to() would assign param.data in place on the shared Parameters and
+        # so move the caller's model too: tensors are moved here, as new objects.)
+        memo = {id(t): _on(t, device) for t in itertools.chain(original.parameters(), original.buffers())}
         fast = copy.deepcopy(original, memo)
     fast.eval()
-    device = torch.device(recipe.device)
-    if _model_device(fast) != device:
-        fast = fast.to(device)
     compute = _DTYPES[recipe.dtype]
     for name in recipe.passes:
         try:
@@ -179,6 +179,14 @@ def _runner_inputs(sample: inputs.Args, device, compute: torch.dtype, recipe: Re
     """The sample as the fast model sees it inside the runner (device, dtype)."""
     cast = recipe.dtype_mode == "cast" and compute != torch.float32
     return inputs.to(sample, device, compute if cast else None)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(t.detach().to(device), requires_grad=t.requires_grad)
+    return t.to(device)
 
 
 class KilnModule(nn.Module):
