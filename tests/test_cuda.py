@@ -74,3 +74,29 @@ def test_bf16_unsupported_gpu_keeps_fp32(monkeypatch):
     with pytest.warns(UserWarning, match="does not run it natively"):
         o = tk.optimize(nn.Linear(8, 8).cuda(), dtype=torch.bfloat16, graph_mode=False)
     assert o.kiln_recipe.dtype == "float32"
+
+
+def test_cuda_graph_outputs_survive_later_calls_and_threads():
+    import threading
+
+    model, _ = zoo.load("mlp", batch=8)
+    model = model.cuda()
+    xs = [torch.randn(8, 256, device="cuda") for _ in range(8)]
+    o = tk.optimize(model, sample_input=xs[0])
+    assert o.kiln_recipe.cuda_graphs and o.kiln_report.active.startswith("compiled")
+    outs = [o(x) for x in xs]  # replays reuse one memory pool: earlier outputs must stay intact
+    for x, y in zip(xs, outs, strict=True):
+        torch.testing.assert_close(y, model(x), rtol=1e-3, atol=1e-3)
+    results = [None] * 8
+
+    def work(i):
+        for _ in range(3):
+            results[i] = o(xs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -37,6 +37,7 @@ from .passes import (
     onednn_linear,
     replace_dropout,
 )
+from .passes.compile import Compiled
 from .passes.onednn_linear import input_rows
 from .passes.sdpa_math import SDPARouter
 from .plan import INTEL_ONLY, KNOBS, plan
@@ -273,7 +274,7 @@ class KilnModule(nn.Module):
                     continue
             object.__setattr__(self, "_fn", fn)
             report.active = label
-            return out
+            return inputs.tree_map(torch.clone, out) if self._graphs(fn) else out
         raise RuntimeError("unreachable: the original model ends the chain")
 
     def _flags(self):
@@ -282,6 +283,9 @@ class KilnModule(nn.Module):
             return contextlib.nullcontext()
         c = torch.backends.cudnn
         return c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
+
+    def _graphs(self, fn) -> bool:
+        return self.kiln_recipe.cuda_graphs and isinstance(fn, Compiled)
 
     def forward(self, *args, **kwargs):
         with self._flags():
@@ -295,6 +299,11 @@ class KilnModule(nn.Module):
                     return self._advance(args, kwargs, None)
                 fn = self._fn
         try:
+            if self._graphs(fn):
+                # Graph outputs live in a pool the next replay overwrites, and graph
+                # trees are per thread: serialise calls and hand out copies.
+                with self._lock, torch.no_grad():
+                    return inputs.tree_map(torch.clone, fn(*args, **kwargs))
             with torch.no_grad():
                 return fn(*args, **kwargs)
         except Exception as e:

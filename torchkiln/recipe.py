@@ -34,6 +34,7 @@ class Recipe:
     gemm: str = "aten"  # aten | onednn (CPU linear path)
     attention: str = "sdpa"  # sdpa | auto (math form where measured faster, per shape)
     cudnn_benchmark: bool = False  # let cuDNN time its conv algorithms (during torchkiln's calls only)
+    cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
     freezing: bool = False
@@ -74,6 +75,8 @@ class Recipe:
         lines.append(f"  layout       {self.memory_format}")
         lines.append(f"  gemm         {self.gemm}")
         lines.append(f"  attention    {self.attention}")
+        if self.cuda_graphs:
+            lines.append("  cuda graphs  on (outputs cloned, calls serialised)")
         if self.compile:
             opts = ", ".join(f"{k}={v}" for k, v in self.compile_options)
             lines.append(

@@ -1,7 +1,7 @@
-"""CUDA (and ROCm) choices: bf16/fp16 by compute capability, channels_last for
-conv nets, inductor with freezing (constant folding, conv-bn folding and
-sibling-matmul concatenation on GPU), and at O2 max-autotune plus CUDA graphs
-for small batches where launch overhead dominates."""
+"""CUDA (and ROCm) choices: bf16/fp16 by compute capability, channels_last and
+autotuned cuDNN algorithms for conv nets, inductor with freezing (constant
+folding, conv-bn folding and sibling-matmul concatenation on GPU), CUDA graphs
+when a sample input fixes the shapes, and at O2 max-autotune."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import torch
 
 from ..hardware import Hardware
 from ..recipe import Recipe
-
-SMALL_BATCH = 16
 
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
@@ -34,14 +32,19 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
         fmt = "channels_last"
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
     options: dict = {"freezing": True}
+    # Measured on the H200 (bert-base bf16 bs64): GPU kernel time 3.19 ms/call but
+    # 3.69 ms wall: the rest is launching ~300 kernels from Python. Graph replay
+    # removes that; it needs static shapes, which a sample input provides.
+    graphs = batch is not None
+    if graphs:
+        options["triton.cudagraphs"] = True
+        notes.append("sample input fixes the shapes: CUDA graphs remove kernel-launch overhead")
     if level == "O2":
         options["max_autotune"] = True
         notes.append("O2: max-autotune GEMM/conv selection (slow first compile, cached on disk)")
-        if batch is not None and batch <= SMALL_BATCH:
-            options["triton.cudagraphs"] = True
-            notes.append(f"O2: batch {batch} <= {SMALL_BATCH}: CUDA graphs remove launch overhead")
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten", cudnn_benchmark=has_conv,
+                  cuda_graphs=graphs,
                   compile=True, compile_options=tuple(sorted(options.items())), freezing=True,
                   notes=tuple(notes) + (("CUDA norm/softmax kernels accumulate in fp32 already: "
                                          "no fp32 islands needed",) if dtype != torch.float32 else ()))
