@@ -76,6 +76,7 @@ def _apply_knobs(recipe: Recipe, knobs: dict, model: nn.Module) -> Recipe:
         opts = dict(recipe.compile_options)
         opts.update(knobs["compile_options"])
         changes["compile_options"] = tuple(sorted(opts.items()))
+        changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs"))
     ordered = tuple(p for p in PASS_ORDER if p in passes)
     gemm = "onednn" if "onednn_linear" in ordered else "aten"
     return recipe.replace(passes=ordered, gemm=gemm, notes=tuple(notes), **changes)
