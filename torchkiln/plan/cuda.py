@@ -10,8 +10,6 @@ import torch
 from ..hardware import Hardware
 from ..recipe import Recipe
 
-SMALL_BATCH = 16
-
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
     acc = hw.accelerator(device)
@@ -34,17 +32,17 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
         fmt = "channels_last"
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
     options: dict = {"freezing": True}
-    graphs = False
+    # CUDA-graph replay removes per-kernel launch cost. Measured on the H200,
+    # bert-base bf16, interleaved in one process (benchmarks/cuda_graphs.py):
+    # bs1 2.385 -> 0.687 ms, bs64 4.532 -> 3.794 ms. It needs static shapes,
+    # which a sample input provides; without one, shapes are unknown: no graphs.
+    graphs = batch is not None
+    if graphs:
+        options["triton.cudagraphs"] = True
+        notes.append("sample input fixes the shapes: CUDA graphs remove kernel-launch overhead")
     if level == "O2":
         options["max_autotune"] = True
         notes.append("O2: max-autotune GEMM/conv selection (slow first compile, cached on disk)")
-        # Graph replay removes per-kernel launch cost, which matters when kernels are
-        # short. At bert-base bf16 bs64 on the H200 it changed nothing measurable
-        # (3.69 vs 3.69 ms), and it serialises calls, so only small batches get it.
-        if batch is not None and batch <= SMALL_BATCH:
-            graphs = True
-            options["triton.cudagraphs"] = True
-            notes.append(f"O2: batch {batch} <= {SMALL_BATCH}: CUDA graphs remove kernel-launch overhead")
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten", cudnn_benchmark=has_conv,
                   cuda_graphs=graphs,
