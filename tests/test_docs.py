@@ -1,0 +1,20 @@
+"""The Python examples in README.md and docs/ must run as written."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md"]
+
+
+def blocks():
+    for doc in DOCS:
+        for i, code in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)):
+            yield pytest.param(code, id=f"{doc.name}-{i}")
+
+
+@pytest.mark.parametrize("code", list(blocks()))
+def test_example_runs(code):
+    exec(compile(code, "<doc>", "exec"), {})
