@@ -71,3 +71,16 @@ def test_zoo_callable_and_errors():
         zoo.load("no_such_pkg:fn")
     with pytest.raises(ValueError, match="--shape"):
         zoo.load("torch.nn:Identity")
+
+
+def test_demo_model_falls_back_without_transformers(monkeypatch):
+    import importlib.util
+
+    from torchkiln import commands
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert commands._default_demo_model() == "resnet50"
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    expected = "bert-base" if real("transformers") else "resnet50"
+    assert commands._default_demo_model() == expected
