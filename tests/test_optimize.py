@@ -1,9 +1,9 @@
 import importlib
-import threading
 import warnings
 
 import pytest
 import torch
+from threads import assert_threads_match_serial
 from torch import nn
 
 import torchkiln as tk
@@ -210,20 +210,7 @@ def test_eight_threads_match_serial_results():
     m = mlp()
     xs = [torch.randn(4, 32) for _ in range(8)]
     o = tk.optimize(m, sample_input=xs[0])
-    serial = [o(x) for x in xs]
-    results = [None] * 8
-
-    def work(i):
-        for _ in range(5):
-            results[i] = o(xs[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for got, want in zip(results, serial, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_threads_match_serial(o, xs)
 
 
 def test_many_models_of_one_class_all_stay_compiled():

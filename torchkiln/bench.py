@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import inputs
+from . import _log, inputs
 from .guard import compare
 from .optimize import _model_device, optimize, parse_dtype
 from .passes import compile_model
@@ -208,6 +208,7 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
 
     Every peer is built first; then ``iters`` timed calls per peer are spread over
     ``rounds`` interleaved rounds (each after one warm-up call)."""
+    _log.configure()
     compute = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else _model_device(model)
     model = model.eval()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import inputs
+from . import _log, inputs
 from .guard import compare, compare_each
 from .optimize import _model_device, optimize, parse_dtype
 from .plan import TOLERANCE
@@ -106,6 +106,7 @@ def first_divergence(a: nn.Module, sample_a, b: nn.Module, sample_b, tol: float,
 def check(model: nn.Module, sample_input, dtype=torch.bfloat16, level: str = "O1",
           optimized: nn.Module | None = None, checks: tuple[str, ...] | None = None) -> CheckResult:
     """Run the consistency checks; returns a CheckResult (``print`` it, or ``.to_dict()``)."""
+    _log.configure()
     if not isinstance(model, nn.Module):
         raise TypeError(f"check() expects a torch.nn.Module, got {type(model).__name__}")
     low = parse_dtype(dtype)

@@ -37,7 +37,6 @@ class Recipe:
     cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
-    freezing: bool = False
     dynamic: bool | None = None
     tolerance: float = 1e-4  # max relative error vs fp32 eager before falling back
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
@@ -79,10 +78,7 @@ class Recipe:
             lines.append("  cuda graphs  on (outputs cloned, calls serialised)")
         if self.compile:
             opts = ", ".join(f"{k}={v}" for k, v in self.compile_options)
-            lines.append(
-                f"  compile      inductor freezing={self.freezing}"
-                + (f" {opts}" if opts else "")
-            )
+            lines.append(f"  compile      inductor {opts or '(defaults)'}")
         else:
             lines.append("  compile      off")
         lines.append(f"  tolerance    rel err <= {self.tolerance:g}")

@@ -132,6 +132,9 @@ def detect(probe: bool = True, timeout: float | None = None) -> Hardware:
     With ``probe=True`` each accelerator gets a hang-safe first touch in a child
     process (``timeout`` seconds, default 20) and is marked usable or not.
     """
+    from .. import _log
+
+    _log.configure()
     accs = []
     for dtype, count in _device_counts().items():
         results = _probe.probe(dtype, list(range(count)), timeout) if probe else {}

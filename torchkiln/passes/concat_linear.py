@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .sample_run import run_with_linear_hooks
+
 
 class _Group(nn.Module):
     def __init__(self, linears: list[nn.Linear]):
@@ -55,21 +57,7 @@ class ConcatSlice(nn.Module):
 def find_groups(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, list[str]]]:
     """[(parent_name, [child names])] of Linears under one parent that got the same input."""
     seen: dict = {}  # name -> the input tensor itself: holding it keeps its id() unique
-
-    def record(name, inp):  # returns None: a pre-hook's return value would replace the input
-        if inp:
-            seen.setdefault(name, inp[0])
-
-    hooks = []
-    for name, mod in model.named_modules():
-        if type(mod) is nn.Linear:
-            hooks.append(mod.register_forward_pre_hook(lambda m, inp, name=name: record(name, inp)))
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_linear_hooks(model, args, kwargs, lambda name, mod, inp: seen.setdefault(name, inp))
     by_key: dict = {}
     for name, inp in seen.items():
         parent, _, child = name.rpartition(".")

@@ -16,6 +16,9 @@ import logging
 import torch
 from torch import nn
 
+from ..timing import median_seconds
+from .sample_run import run_with_linear_hooks
+
 log = logging.getLogger(__name__)
 
 
@@ -56,17 +59,7 @@ def input_rows(model: nn.Module, args: tuple, kwargs: dict) -> dict[nn.Module, i
     """Rows (M of the GEMM: batch x sequence for text) each Linear sees in one sample run.
     oneDNN picks the packed layout for an M; packing for the wrong M costs ~10%."""
     rows: dict[nn.Module, int] = {}
-
-    def record(mod, inp):  # must return None: a pre-hook's return value replaces the input
-        rows.setdefault(mod, inp[0].numel() // inp[0].shape[-1])
-
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if type(m) is nn.Linear]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_linear_hooks(model, args, kwargs, lambda name, mod, inp: rows.setdefault(mod, inp.numel() // inp.shape[-1]))
     return rows
 
 
@@ -84,8 +77,6 @@ def onednn_linear(model: nn.Module, rows: dict[nn.Module, int] | None = None) ->
 
 def measure(dtype: torch.dtype, m: int, k: int, n: int, iters: int = 10) -> dict[str, float]:
     """GFLOP/s of stock aten linear vs oneDNN packed linear on one shape, this machine, now."""
-    import time
-
     x = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
     b = torch.randn(n).to(dtype)
@@ -94,16 +85,5 @@ def measure(dtype: torch.dtype, m: int, k: int, n: int, iters: int = 10) -> dict
         "aten": lambda: torch.nn.functional.linear(x, w, b),
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], ""),
     }
-    out = {}
     with torch.no_grad():
-        for name, fn in paths.items():
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(iters):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            times.sort()
-            out[name] = round(2 * m * k * n / times[len(times) // 2] / 1e9, 1)
-    return out
+        return {name: round(2 * m * k * n / median_seconds(fn, iters=iters) / 1e9, 1) for name, fn in paths.items()}

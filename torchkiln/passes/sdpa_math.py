@@ -19,12 +19,12 @@ drop an all-ones mask in eager but keep it while being traced.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from ..timing import median_seconds
 
 
 @torch.library.custom_op("torchkiln::sdpa_math", mutates_args=())
@@ -73,17 +73,6 @@ def _key(b) -> tuple | None:
     return shapes, str(q.dtype), bool(b["is_causal"]), bool(b["enable_gqa"])
 
 
-def _time(fn, n: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 class SDPARouter(TorchFunctionMode):
     """Enter around a model call. ``calibrating=True`` measures unseen shapes on real inputs."""
 
@@ -109,10 +98,10 @@ class SDPARouter(TorchFunctionMode):
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
         with torch.no_grad():
-            t_sdpa = _time(lambda: F.scaled_dot_product_attention(
+            t_sdpa = median_seconds(lambda: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=m, is_causal=b["is_causal"], scale=b["scale"],
                 **({"enable_gqa": True} if b["enable_gqa"] else {})))
-            t_math = _time(lambda: sdpa_math(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
+            t_math = median_seconds(lambda: sdpa_math(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
         self.timings[key] = (t_sdpa, t_math)
         self.choices[key] = t_math < 0.9 * t_sdpa  # a clear win only
 

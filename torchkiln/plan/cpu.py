@@ -12,6 +12,7 @@ from ..hardware import Hardware
 from ..passes.onednn_linear import available as onednn_available
 from ..passes.onednn_linear import measure as onednn_measure
 from ..recipe import Recipe
+from .common import base_passes
 
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
@@ -43,13 +44,8 @@ def _typical_linear(model: nn.Module) -> tuple[int, int] | None:
 
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
-    passes = {"replace_dropout", "fold_conv_bn", "fold_linear_bn"}
-    if dtype != torch.float32:
-        passes.add("cast_dtype")
-    fmt = "contiguous"
+    passes, fmt = base_passes(dtype, has_conv)
     if has_conv:
-        passes.add("channels_last")
-        fmt = "channels_last"
         notes.append("conv net: channels_last (oneDNN's fastest conv layout)")
     shape = _typical_linear(model)
     gemm = "aten"
@@ -79,8 +75,7 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     # sequences plain math is often faster. Decided per shape by measurement.
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   fp32_modules=_fp32_modules(dtype), passes=tuple(passes), memory_format=fmt,
-                  gemm=gemm, attention="auto", compile=True, compile_options=tuple(sorted(options.items())),
-                  freezing=True, notes=tuple(notes))
+                  gemm=gemm, attention="auto", compile=True, compile_options=tuple(sorted(options.items())), notes=tuple(notes))
 
 
 def _fp32_modules(dtype):

@@ -9,6 +9,7 @@ import torch
 
 from ..hardware import Hardware
 from ..recipe import Recipe
+from .common import base_passes
 
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
@@ -23,13 +24,8 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
 
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
-    passes = {"replace_dropout", "fold_conv_bn", "fold_linear_bn"}
-    if dtype != torch.float32:
-        passes.add("cast_dtype")
-    fmt = "contiguous"
+    passes, fmt = base_passes(dtype, has_conv)
     if has_conv:
-        passes.add("channels_last")
-        fmt = "channels_last"
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
     options: dict = {"freezing": True}
     # CUDA-graph replay removes per-kernel launch cost. Measured on the H200,
@@ -46,6 +42,6 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   fp32_modules=(), passes=tuple(passes), memory_format=fmt, gemm="aten", cudnn_benchmark=has_conv,
                   cuda_graphs=graphs,
-                  compile=True, compile_options=tuple(sorted(options.items())), freezing=True,
+                  compile=True, compile_options=tuple(sorted(options.items())),
                   notes=tuple(notes) + (("CUDA norm/softmax kernels accumulate in fp32 already: "
                                          "no fp32 islands needed",) if dtype != torch.float32 else ()))

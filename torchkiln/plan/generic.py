@@ -9,6 +9,7 @@ import torch
 from ..hardware import Hardware
 from ..recipe import Recipe
 from . import cuda
+from .common import base_passes
 
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
@@ -16,15 +17,10 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
 
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
-    passes = {"replace_dropout", "fold_conv_bn", "fold_linear_bn"}
-    if dtype != torch.float32:
-        passes.add("cast_dtype")
     dev_type = torch.device(device).type
-    fmt = "channels_last" if has_conv and dev_type == "xpu" else "contiguous"
-    if fmt == "channels_last":
-        passes.add("channels_last")
+    passes, fmt = base_passes(dtype, has_conv, channels_last=dev_type == "xpu")
     notes.append(f"{dev_type}: generic recipe (no device-specific tuning yet)")
     # MPS inductor support is young; compile is tried and falls back if it fails.
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   fp32_modules=(), passes=tuple(passes), memory_format=fmt, compile=True,
-                  compile_options=(("freezing", True),), freezing=True, notes=tuple(notes))
+                  compile_options=(("freezing", True),), notes=tuple(notes))
