@@ -17,6 +17,7 @@ def test_bench_rows_speedups_and_errors(tmp_path):
         assert row.median_ms > 0 and row.p90_ms >= row.median_ms and row.p99_ms >= row.p90_ms
         assert row.speedup == pytest.approx(eager.median_ms / row.median_ms, rel=1e-2)
         assert row.rel_err < 1e-4
+        assert isinstance(row.peak_mem_mb, float)  # CPU: RSS the peer added
     assert r.flops == pytest.approx(2 * 4 * (256 * 1024 + 1024 * 1024 + 1024 * 10), rel=0.01)
     d = r.to_dict()
     assert d["best_peer"] == "compile+freezing" and d["speedup_vs_best_peer"] > 0

@@ -33,7 +33,7 @@ class Row:
     p90_ms: float
     p99_ms: float
     throughput: float  # items (batch rows) per second
-    peak_mem_mb: float | None
+    peak_mem_mb: float | None  # GPU: peak allocated; CPU: resident memory the peer added
     setup_s: float  # build + first call (compilation)
     rel_err: float  # vs fp32 eager
     speedup: float = 1.0  # vs eager fp32
@@ -164,6 +164,12 @@ def _time(fn: Callable, args, kwargs, device, warmup: int, iters: int, tick=None
     return times
 
 
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
@@ -240,6 +246,7 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
         for peer, build in builders.items():
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+            rss0 = _rss()
             t0 = time.perf_counter()
             note = ""
             with torch.no_grad():
@@ -253,7 +260,9 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
                 synchronize(dev)
                 setup = time.perf_counter() - t0
                 _time(fn, *sample, dev, warmup=max(0, warmup - 1), iters=0)
-            mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+            # GPU: peak allocated during build + first call. CPU: resident memory the
+            # peer added (its weight copies, packed weights, compiled code).
+            mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else (_rss() - rss0) / 2**20
             err = compare(inputs.tree_map(lambda t: t.float() if t.is_floating_point() else t, out), ref)
             built[peer] = (fn, setup, mem, err, note, [])
             if prog:
