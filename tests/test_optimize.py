@@ -231,3 +231,32 @@ def test_recipe_is_json_round_trippable_and_printable():
     assert "Recipe for cpu at O1" in str(r)
     with pytest.raises(ValueError, match="unknown passes"):
         r.replace(passes=("nope",))
+
+
+def test_later_failure_steps_down_but_user_errors_raise(monkeypatch):
+    class Flaky(nn.Module):
+        fail = False
+
+        def __init__(self, runner):
+            super().__init__()
+            self.runner = runner
+
+        def forward(self, *a, **k):
+            if Flaky.fail:
+                raise RuntimeError("recompile crashed")
+            return self.runner(*a, **k)
+
+    monkeypatch.setattr(opt_mod, "compile_model", lambda runner, *a, **k: Flaky(runner))
+    opt_mod._warned.clear()
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x)
+    assert o.kiln_report.active == "compiled full graph (float32)"
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        o(torch.randn(4, 7))  # the model itself rejects this: raise, don't degrade
+    assert o.kiln_report.active == "compiled full graph (float32)" and o.kiln_report.fallbacks == []
+    Flaky.fail = True
+    with pytest.warns(UserWarning, match="recompile crashed"):
+        y = o(x)
+    assert o.kiln_report.active == "eager passes (float32)"
+    assert "recompile crashed" in o.kiln_report.fallbacks[0].reason
+    torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-5)

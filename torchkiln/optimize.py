@@ -210,7 +210,7 @@ class KilnModule(nn.Module):
         object.__setattr__(self, "_chain", self._steps())
 
     def _steps(self):
-        """Lazily yields (label, callable) from fastest to safest."""
+        """Lazily yields (label, callable, runner or None) from fastest to safest."""
         recipes = [self.kiln_recipe]
         if self.kiln_recipe.dtype != "float32":
             recipes.append(self.kiln_recipe.replace(
@@ -236,11 +236,7 @@ class KilnModule(nn.Module):
     def _advance(self, args, kwargs, reason: str | None) -> object:
         """Step down the chain until a step runs these inputs and passes the guard."""
         report = self.kiln_report
-        ref = None
-        if self._sample is not None or not self._inplace:
-            ref_args, ref_kwargs = inputs.to((args, kwargs), _model_device(self.kiln_original))
-            with torch.no_grad():
-                ref = self.kiln_original(*ref_args, **ref_kwargs)
+        ref = self._reference(args, kwargs) if self._sample is not None or not self._inplace else None
         tol = self.kiln_recipe.tolerance
         label_prev = report.active
         for label, fn, runner in self._chain:
@@ -277,6 +273,12 @@ class KilnModule(nn.Module):
             return inputs.tree_map(torch.clone, out) if self._graphs(fn) else out
         raise RuntimeError("unreachable: the original model ends the chain")
 
+    def _reference(self, args, kwargs):
+        """The original model on these inputs (moved to its device): fp32 eager truth."""
+        ref_args, ref_kwargs = inputs.to((args, kwargs), _model_device(self.kiln_original))
+        with torch.no_grad():
+            return self.kiln_original(*ref_args, **ref_kwargs)
+
     def _flags(self):
         """Backend flags the recipe wants, set for the duration of our call only."""
         if not self.kiln_recipe.cudnn_benchmark:
@@ -312,8 +314,7 @@ class KilnModule(nn.Module):
             with self._lock:
                 # Only step down if eager itself accepts these inputs: a user error
                 # (wrong shape) must raise, not degrade the model.
-                with torch.no_grad():
-                    self.kiln_original(*args, **kwargs)
+                self._reference(args, kwargs)
                 if self._fn is fn:
                     return self._advance(args, kwargs, f"{type(e).__name__}: {_first_line(e)}")
             return self._forward(args, kwargs)
