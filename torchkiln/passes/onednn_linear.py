@@ -1,8 +1,8 @@
 """Route nn.Linear through oneDNN with a pre-packed weight.
 
 Why hand-written: on CPUs where torch's BLAS is slow for a dtype (MKL's fp32
-sgemm on AMD Zen reaches ~200 GFLOP/s where oneDNN reaches ~470 on the same
-2-core machine), stock torch and inductor's freezing still pick BLAS for fp32
+sgemm on AMD Zen 5 reaches 174-225 GFLOP/s where oneDNN reaches 448-531 on the
+same 2-core machine: benchmarks/micro.py in RESULTS.md), stock torch and inductor's freezing still pick BLAS for fp32
 linears. torch exposes the oneDNN kernels inductor itself uses
 (mkldnn._linear_pointwise, mkldnn._reorder_linear_weight) but no switch to use
 them for fp32; this pass is that switch. The planner enables it only where a

@@ -3,8 +3,8 @@ measured faster on this machine, for the shapes this model uses.
 
 Why hand-written: on CPU, torch's flash-attention kernel parallelises over
 batch x heads only; at short sequences (bert-base, batch 1, seq 128: 12 work
-items on 2 cores) two oneDNN batched GEMMs and an fp32 softmax were measured
-2x faster (177 vs 377 us per layer in bf16). torch has no switch for this, and
+items on 2 cores) two oneDNN batched GEMMs and a softmax were measured 2x
+faster (173 vs 351 us per layer in bf16: benchmarks/micro.py in RESULTS.md). torch has no switch for this, and
 inductor lowers SDPA straight to the flash kernel. So a TorchFunctionMode, entered
 by the runner (no global patching), swaps SDPA calls for an opaque custom op;
 dynamo traces the mode, inductor calls the op as an extern kernel.

@@ -51,8 +51,8 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     gemm = "aten"
     if dtype != torch.float32:
         # inductor's freezing packs low-precision linears into oneDNN itself and fuses
-        # GELU/residual post-ops into them; replacing the modules would block that
-        # (bert-base bf16 bs1: 30.4 ms with our module vs 28.0 ms without).
+        # GELU/residual post-ops into them; replacing the modules blocks that (bert-base
+        # bf16 bs1, interleaved: 28.4 ms with our module vs 28.0 without; RESULTS.md).
         notes.append(f"GEMM {str(dtype)[6:]}: oneDNN via inductor freezing (packed, post-op fusion)")
     elif shape:
         m = max(16, min(batch or 128, 4096))
