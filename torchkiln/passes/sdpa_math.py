@@ -4,15 +4,16 @@ measured faster on this machine, for the shapes this model uses.
 Why hand-written: on CPU, torch's flash-attention kernel parallelises over
 batch x heads only; at short sequences (bert-base, batch 1, seq 128: 12 work
 items on 2 cores) two oneDNN batched GEMMs and a softmax were measured 2x
-faster (173 vs 351 us per layer in bf16: benchmarks/micro.py in RESULTS.md). torch has no switch for this, and
+faster (173 vs 351 us per layer in bf16: benchmarks/micro.py in RESULTS.md).
+torch has no switch for this, and
 inductor lowers SDPA straight to the flash kernel. So a TorchFunctionMode, entered
 by the runner (no global patching), swaps SDPA calls for an opaque custom op;
 dynamo traces the mode, inductor calls the op as an extern kernel.
 
 Choices are made per (q/k/v shapes, dtype, causal, gqa) key by timing both forms on
 the real inputs of a calibration call; a shape never calibrated keeps SDPA. The
-mask is not part of the key: its cost is the same for both forms (measured
-377/382/394 us without/additive/bool mask), and models such as transformers'
+mask is not part of the key: it adds about as much to either form (a few
+percent of SDPA's time in an ad-hoc check), and models such as transformers'
 drop an all-ones mask in eager but keep it while being traced.
 """
 
