@@ -106,7 +106,8 @@ def test_bf16_within_tolerance_and_outputs_fp32():
     assert o.kiln_recipe.dtype == "bfloat16" and o.kiln_report.error["rel"] > 0
 
 
-def test_bf16_on_cpu_without_native_support_keeps_fp32_and_warns(monkeypatch):
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_bf16_on_cpu_without_native_support_keeps_fp32_and_warns(monkeypatch, level):
     from dataclasses import replace
 
     hw = tk.detect()
@@ -115,7 +116,7 @@ def test_bf16_on_cpu_without_native_support_keeps_fp32_and_warns(monkeypatch):
     monkeypatch.setattr(opt_mod, "detect", lambda: no_bf16)
     opt_mod._warned.clear()
     with pytest.warns(UserWarning, match="no native bf16"):
-        o = tk.optimize(mlp(), dtype="bf16", graph_mode=False)
+        o = tk.optimize(mlp(), dtype="bf16", level=level, graph_mode=False)
     assert o.kiln_recipe.dtype == "float32"
 
 
@@ -260,3 +261,14 @@ def test_later_failure_steps_down_but_user_errors_raise(monkeypatch):
     assert o.kiln_report.active == "eager passes (float32)"
     assert "recompile crashed" in o.kiln_report.fallbacks[0].reason
     torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-5)
+
+
+def test_autocast_knob_keeps_fp32_weights():
+    if not tk.detect().cpu.bf16_native:
+        pytest.skip("no native bf16 on this CPU")
+    m, x = mlp(), torch.randn(8, 32)
+    o = tk.optimize(m, dtype="bf16", autocast=True, sample_input=x, graph_mode=False)
+    r = o.kiln_recipe
+    assert r.dtype_mode == "autocast" and "cast_dtype" not in r.passes and r.fp32_modules == ()
+    ref = m(x)
+    assert 0 < ((o(x) - ref).norm() / ref.norm()).item() < 5e-2  # bf16-sized error, not zero

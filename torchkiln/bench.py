@@ -66,7 +66,8 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["best_peer"] = (self.best_peer() or Row("-", 0, 0, 0, 0, None, 0, 0)).name
+        peer = self.best_peer()
+        d["best_peer"] = peer.name if peer else None
         d["speedup_vs_best_peer"] = self.vs_best_peer()
         return d
 

@@ -98,8 +98,9 @@ def first_divergence(a: nn.Module, sample_a, b: nn.Module, sample_b, tol: float,
         tb = outs_b.get(name)
         if tb is None or tb.shape != ta.shape:
             continue
-        if not compare(ta, tb).ok(tol):
-            return f"{name} ({type(a.get_submodule(name)).__name__}): {compare(ta, tb)}"
+        err = compare(ta, tb)
+        if not err.ok(tol):
+            return f"{name} ({type(a.get_submodule(name)).__name__}): {err}"
     return None
 
 

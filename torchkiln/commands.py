@@ -88,7 +88,7 @@ def _default_demo_model() -> str:
 
 def _cmd_demo(args) -> int:
     args.model = args.model or _default_demo_model()
-    args.shape, args.device, args.level, args.plot, args.results = None, None, "O1", args.plot, None
+    args.shape, args.device, args.level, args.results = None, None, "O1", None
     args.peak = True
     if not args.json:
         print(f"torchkiln demo: optimizing a built-in {args.model} (random weights) at batch {args.batch} "

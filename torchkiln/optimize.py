@@ -225,10 +225,8 @@ class KilnModule(nn.Module):
             tag = rec.dtype
             if rec.compile:
                 opts = dict(rec.compile_options)
-                yield f"compiled full graph ({tag})", compile_model(runner, opts, fullgraph=True,
-                                                                    dynamic=rec.dynamic, private=True), runner
-                yield f"compiled with graph breaks ({tag})", compile_model(runner, opts, fullgraph=False,
-                                                                            dynamic=rec.dynamic, private=True), runner
+                yield f"compiled full graph ({tag})", compile_model(runner, opts, fullgraph=True, private=True), runner
+                yield f"compiled with graph breaks ({tag})", compile_model(runner, opts, fullgraph=False, private=True), runner
             yield f"eager passes ({tag})", runner, runner
         report.applied = []
         yield "original model", self.kiln_original, None
@@ -365,10 +363,9 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         _warn_once("already", "torchkiln: model is already optimized; returned unchanged. "
                    "To re-plan, call tk.optimize(model.kiln_original, ...)")
         return (model, optimizer) if optimizer is not None else model
-    unknown = set(knobs) - set(KNOBS) - {"autocast"}
+    unknown = set(knobs) - set(KNOBS)
     if unknown:
-        raise TypeError(f"optimize() got unknown keyword(s) {sorted(unknown)}; valid knobs: "
-                        f"{sorted(KNOBS + ('autocast',))}")
+        raise TypeError(f"optimize() got unknown keyword(s) {sorted(unknown)}; valid knobs: {sorted(KNOBS)}")
     for k in INTEL_ONLY:
         if k in knobs:
             _warn_once(f"intel:{k}", f"torchkiln: {k} is an Intel-IPEX-only knob with no vendor-neutral "
@@ -388,9 +385,6 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         _check_sample(model, sample)
     recipe = plan(model, hw, str(target), compute, level, knobs,
                   batch=inputs.batch_size(sample) if sample else None)
-    if knobs.get("autocast") and recipe.dtype != "float32":
-        recipe = recipe.replace(dtype_mode="autocast", fp32_modules=(),
-                                passes=tuple(p for p in recipe.passes if p != "cast_dtype"))
     if recipe.dtype != str(compute).removeprefix("torch."):
         _warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
     report = Report(recipe=recipe.to_dict())

@@ -37,7 +37,6 @@ class Recipe:
     cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
-    dynamic: bool | None = None
     tolerance: float = 1e-4  # max relative error vs fp32 eager before falling back
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
 

@@ -47,12 +47,11 @@ def _guard_filter():
 
 
 class Compiled(nn.Module):
-    def __init__(self, model: nn.Module, options: dict, fullgraph: bool = False, dynamic: bool | None = None,
-                 private: bool = False):
+    def __init__(self, model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False):
         super().__init__()
         self.options = dict(options)
         extra = _guard_filter() if private else {}
-        self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph, dynamic=dynamic,
+        self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph,
                                       options=extra or None)
 
     def forward(self, *args, **kwargs):
@@ -62,7 +61,6 @@ class Compiled(nn.Module):
             return self.compiled(*args, **kwargs)
 
 
-def compile_model(model: nn.Module, options: dict, fullgraph: bool = False, dynamic: bool | None = None,
-                  private: bool = False) -> nn.Module:
+def compile_model(model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False) -> nn.Module:
     """``private=True``: the caller guarantees ``model`` is never mutated afterwards."""
-    return Compiled(model, options, fullgraph, dynamic, private)
+    return Compiled(model, options, fullgraph, private)

@@ -19,7 +19,7 @@ KNOB_PASSES = {
     "weights_prepack": "onednn_linear",
 }
 KNOBS = (*KNOB_PASSES, "graph_mode", "auto_kernel_selection", "optimize_lstm",
-         "split_master_weight_for_bf16", "fuse_update_step", "compile_options")
+         "split_master_weight_for_bf16", "fuse_update_step", "compile_options", "autocast")
 # Knobs with no vendor-neutral meaning: accepted, warned about once, ignored.
 INTEL_ONLY = ("optimize_lstm", "split_master_weight_for_bf16", "fuse_update_step")
 
@@ -41,16 +41,17 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     if level == "O0":
         passes = {"cast_dtype"} if dtype != torch.float32 else set()
+        # notes[0] stays the dtype reason (optimize() warns with it); O0's note follows.
         recipe = Recipe(device=device, level=level, dtype=_name(dtype), compile=False,
                         dtype_mode="cast" if passes else "none", tolerance=TOLERANCE[dtype],
-                        notes=("O0: no optimisation beyond the requested dtype",))
-        return _apply_knobs(recipe, knobs, model)
+                        notes=(*notes, "O0: no optimisation beyond the requested dtype"))
+        return _apply_knobs(recipe, knobs)
     recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes)
     recipe = recipe.replace(tolerance=TOLERANCE[dtype], dtype=_name(dtype), level=level)
-    return _apply_knobs(recipe, knobs, model)
+    return _apply_knobs(recipe, knobs)
 
 
-def _apply_knobs(recipe: Recipe, knobs: dict, model: nn.Module) -> Recipe:
+def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
     passes = set(recipe.passes)
     notes = list(recipe.notes)
     changes: dict = {}
@@ -77,6 +78,10 @@ def _apply_knobs(recipe: Recipe, knobs: dict, model: nn.Module) -> Recipe:
         opts.update(knobs["compile_options"])
         changes["compile_options"] = tuple(sorted(opts.items()))
         changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs"))
+    if knobs.get("autocast") and recipe.dtype != "float32":
+        passes.discard("cast_dtype")
+        changes.update(dtype_mode="autocast", fp32_modules=())
+        notes.append("autocast=True: low precision via autocast, weights stay fp32")
     ordered = tuple(p for p in PASS_ORDER if p in passes)
     gemm = "onednn" if "onednn_linear" in ordered else "aten"
     return recipe.replace(passes=ordered, gemm=gemm, notes=tuple(notes), **changes)
