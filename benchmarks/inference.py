@@ -8,6 +8,7 @@ the best peer and the issue's target, and appends them to benchmarks/RESULTS.md.
     python benchmarks/inference.py                 # the CPU suite (about 15 min on 2 cores)
     python benchmarks/inference.py --device cuda   # the H200 suite
     python benchmarks/inference.py --case bert-base:1:float32   # one case
+    python benchmarks/inference.py --device cuda --autotune-peers   # + max-autotune peers
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torchkiln as tk
 from torchkiln import zoo
 from torchkiln.bench import bench, gemm_peak
-from torchkiln.optimize import parse_dtype
+from torchkiln.modelutil import parse_dtype
 
 # (model, batch, dtype) -> target speedup over the best peer, from the inference issue.
 CPU_CASES = {
@@ -55,6 +56,8 @@ def main() -> int:
     p.add_argument("--levels", default="O1", help="torchkiln levels to time, e.g. O1,O2")
     p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     p.add_argument("--json", help="also write all results here")
+    p.add_argument("--autotune-peers", action="store_true",
+                   help="also time torch.compile max-autotune-no-cudagraphs peers (CUDA; slow to build)")
     args = p.parse_args()
     device = torch.device(args.device)
     suite = CUDA_CASES if device.type == "cuda" else CPU_CASES
@@ -80,21 +83,23 @@ def main() -> int:
         model, sample = zoo.load(name, batch=batch)
         t0 = time.time()
         res = bench(model, sample, dtype=dt, device=device, iters=args.iters, rounds=args.rounds, name=name,
-                    progress=sys.stderr.isatty(), gemm_peak_gflops=peaks[dtype],
-                    peers=None if kiln == ["torchkiln-O1"] else list(_all_peers(device, dt)) + kiln)
+                    progress=sys.stderr.isatty(), gemm_peak_gflops=peaks[dtype], autotune_peers=args.autotune_peers,
+                    peers=None if kiln == ["torchkiln-O1"] else list(_all_peers(device, dt, args.autotune_peers)) + kiln)
         table = res.table()
         ratio = res.vs_best_peer()
         verdict = f"target {target}x: {'MET' if ratio and target and ratio >= target else 'MISSED'}" if target else ""
         print(table + (f"\n{verdict}" if verdict else "") + f"\n({time.time() - t0:.0f} s)\n", flush=True)
-        summary.append(f"| {name} | {batch} | {dtype} | {res.best_peer().name} | "
-                       f"{res.best_peer().median_ms:.2f} | {min(r.median_ms for r in res.rows if r.name.startswith('torchkiln')):.2f} | "
-                       f"{ratio:.2f}x | {target or '-'}x |")
+        peer, best = res.best_peer(), res.best_kiln()
+        # dtype is the one torchkiln served (the peer was picked at it), not the one asked
+        summary.append(f"| {name} | {batch} | {dtype} | {best.dtype} | {peer.name if peer else '-'} | "
+                       f"{f'{peer.median_ms:.2f}' if peer else '-'} | {best.median_ms:.2f} | "
+                       f"{f'{ratio:.2f}x' if ratio else '-'} | {target or '-'}x |")
         out.append({"case": [name, batch, dtype], "target": target, **res.to_dict()})
         with open(args.results, "a") as f:
             f.write(f"\n```\n{table}\n{verdict}\n```\n")
         del model
-    header = ("\nSummary:\n\n| model | batch | dtype | best peer | peer ms | torchkiln ms | speedup | target |\n"
-              "|---|---|---|---|---|---|---|---|\n")
+    header = ("\nSummary:\n\n| model | batch | dtype | served | best peer | peer ms | torchkiln ms | speedup | target |\n"
+              "|---|---|---|---|---|---|---|---|---|\n")
     with open(args.results, "a") as f:
         f.write(header + "\n".join(summary) + "\n")
     print(header + "\n".join(summary))
@@ -104,10 +109,10 @@ def main() -> int:
     return 0
 
 
-def _all_peers(device, dtype):
+def _all_peers(device, dtype, autotune):
     from torchkiln.bench import peers_for
 
-    return peers_for(device, dtype).keys()
+    return peers_for(device, dtype, autotune=autotune).keys()
 
 
 if __name__ == "__main__":

@@ -1,30 +1,144 @@
+import copy
+import importlib
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from torchkiln import cli, zoo
-from torchkiln.bench import bench
+from torchkiln import cli, commands, stock, zoo
+from torchkiln.bench import BenchResult, Peer, Row, bench, peers_for
+
+# the module, not the tk.bench function that torchkiln/__init__ binds to the same name
+bench_mod = importlib.import_module("torchkiln.bench")
 
 
-def test_bench_rows_speedups_and_errors(tmp_path):
+def test_bench_real_peers_rows_errors_and_flops(tmp_path):
     m, x = zoo.load("mlp", batch=4)
     r = bench(m, x, peers=["compile+freezing", "torchkiln"], iters=4, warmup=1, rounds=2, progress=False)
     assert [row.name for row in r.rows] == ["eager", "compile+freezing", "torchkiln"]
+    assert [row.dtype for row in r.rows] == ["float32"] * 3
     eager = r.rows[0]
     assert eager.speedup == 1.0 and eager.rel_err == 0.0
     for row in r.rows:
         assert row.median_ms > 0 and row.p90_ms >= row.median_ms and row.p99_ms >= row.p90_ms
-        assert row.speedup == pytest.approx(eager.median_ms / row.median_ms, rel=1e-2)
         assert row.rel_err < 1e-4
         assert isinstance(row.peak_mem_mb, float)  # CPU: RSS the peer added
+    # 2*batch*(in*out) per linear layer of the zoo mlp, counted by hand
     assert r.flops == pytest.approx(2 * 4 * (256 * 1024 + 1024 * 1024 + 1024 * 10), rel=0.01)
     d = r.to_dict()
     assert d["best_peer"] == "compile+freezing" and d["speedup_vs_best_peer"] > 0
-    assert "torchkiln vs best peer" in r.table()
+    assert "torchkiln vs best peer (compile+freezing), both float32" in r.table()
     png = tmp_path / "b.png"
     r.plot(str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_low_dtype_eager_peers_run_through_stock():
+    m, x = zoo.load("mlp", batch=4)
+    r = bench(m, x, dtype="bfloat16", peers=["eager bf16-cast", "eager bf16-autocast"], iters=2, warmup=1,
+              rounds=1, progress=False)
+    assert [(row.name, row.dtype) for row in r.rows] == [
+        ("eager", "float32"), ("eager bf16-cast", "bfloat16"), ("eager bf16-autocast", "bfloat16")]
+    assert all(0 < row.rel_err < 0.05 for row in r.rows[1:])  # bf16 rounding, but the same answer
+    assert r.best_peer().dtype == "bfloat16"  # no torchkiln row: the asked dtype
+
+
+def _sleepy(model, seconds):
+    """A peer whose call costs a known time: the model plus a sleep."""
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return model(*args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("served", ["float32", None])
+def test_measured_speedups_match_known_sleeps_and_follow_served_dtype(monkeypatch, served):
+    fakes = {"eager": Peer("float32", lambda m: _sleepy(m, 0.008)),
+             "fp32 peer": Peer("float32", lambda m: _sleepy(m, 0.008)),
+             "bf16 peer": Peer("bfloat16", lambda m: _sleepy(m, 0.001))}
+    monkeypatch.setattr(bench_mod, "peers_for", lambda device, dtype, autotune=False: fakes)
+
+    def fake_optimize(model, **kw):
+        fn = _sleepy(model, 0.002)
+        # a report from before dtype_served existed has no such field: bench falls back to the asked dtype
+        fn.kiln_report = SimpleNamespace(active="fake", **({"dtype_served": served} if served else {}))
+        return fn
+
+    monkeypatch.setattr(bench_mod, "optimize", fake_optimize)
+    m, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    r = bench(m, x, dtype="bfloat16", iters=6, warmup=1, rounds=2, progress=False)
+    rows = {row.name: row for row in r.rows}
+    assert list(rows) == ["eager", "fp32 peer", "bf16 peer", "torchkiln"]
+    assert 2.5 < rows["torchkiln"].speedup < 6  # 8 ms / 2 ms, plus timer and sleep overshoot
+    if served:  # torchkiln fell back to fp32: the faster bf16 peer is no fair comparison
+        assert rows["torchkiln"].dtype == "float32" and r.best_peer().name == "fp32 peer"
+        assert 2.5 < r.vs_best_peer() < 6
+    else:
+        assert rows["torchkiln"].dtype == "bfloat16" and r.best_peer().name == "bf16 peer"
+        assert 0.2 < r.vs_best_peer() < 0.9  # 1 ms / 2 ms
+
+
+def _row(name, ms, dtype):
+    return Row(name=name, median_ms=ms, p90_ms=ms, p99_ms=ms, throughput=1e3 / ms, peak_mem_mb=None, setup_s=0.0,
+               rel_err=0.0, dtype=dtype)
+
+
+def test_best_peer_is_the_fastest_at_the_served_dtype_never_eager():
+    r = BenchResult(model="m", device="cpu", dtype="bfloat16", batch=1,
+                    rows=[_row("eager", 1.0, "float32"), _row("compile+freezing", 6.0, "float32"),
+                          _row("compile", 8.0, "float32"), _row("compile+freezing bf16-cast", 2.0, "bfloat16"),
+                          _row("torchkiln", 3.0, "float32")])
+    assert r.best_peer().name == "compile+freezing" and r.vs_best_peer() == 2.0
+    assert "both float32" in r.table() and "float32" in r.table().splitlines()[-2]
+    r.rows[-1].dtype = "bfloat16"
+    assert r.best_peer().name == "compile+freezing bf16-cast" and r.vs_best_peer() == pytest.approx(0.667)
+    r.rows[-1].dtype = "float16"  # no peer at that dtype: no ratio, and the table says why
+    assert r.best_peer() is None and r.vs_best_peer() is None
+    assert "no float16 peer" in r.table() and r.to_dict()["best_peer"] is None
+
+
+def test_peers_for_names_come_from_stock_recipes():
+    cpu = peers_for(torch.device("cpu"), torch.float32)
+    assert list(cpu) == ["eager", "compile", "compile+freezing"]
+    cpu_bf16 = peers_for(torch.device("cpu"), torch.bfloat16)
+    assert list(cpu_bf16) == ["eager", "compile", "compile+freezing", "eager bf16-cast", "eager bf16-autocast",
+                              "compile+freezing bf16-cast", "compile+freezing bf16-autocast"]
+    assert {n: p.dtype for n, p in cpu_bf16.items()}["compile+freezing bf16-cast"] == "bfloat16"
+    assert cpu_bf16["compile+freezing"].dtype == "float32"
+    cuda = peers_for(torch.device("cuda"), torch.bfloat16)  # names only: nothing is built
+    assert list(cuda)[0] == "eager"
+    assert {"compile", "compile reduce-overhead", "compile bf16-cast", "compile bf16-autocast",
+            "compile bf16-cast reduce-overhead", "compile bf16-autocast reduce-overhead"} <= set(cuda)
+    assert not any("max-autotune" in n for n in cuda)
+    tuned = peers_for(torch.device("cuda"), torch.bfloat16, autotune=True)
+    assert "compile bf16-autocast max-autotune-no-cudagraphs" in tuned
+    assert "compile max-autotune-no-cudagraphs" in tuned
+
+
+def test_peers_get_cudnn_benchmark_for_conv_models_on_cuda(monkeypatch):
+    seen = []
+    monkeypatch.setattr(stock, "build", lambda recipe, model, device, cudnn_benchmark=False: seen.append(
+        (recipe.name, device.type, cudnn_benchmark)))
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    mlp = torch.nn.Linear(4, 4)
+    peers_for(torch.device("cuda"), torch.float32)["compile reduce-overhead"].build(conv)
+    peers_for(torch.device("cuda"), torch.float32)["eager"].build(mlp)
+    peers_for(torch.device("cpu"), torch.float32)["compile+freezing"].build(conv)
+    assert seen == [("compile reduce-overhead", "cuda", True), ("eager", "cuda", False),
+                    ("compile+freezing", "cpu", False)]
+
+
+def test_peers_are_not_charged_for_the_model_copy_bench_makes(monkeypatch):
+    fakes = {"eager": Peer("float32", lambda m: m),
+             "reads": Peer("float32", lambda m: m),  # adds nothing over its copy
+             "copies": Peer("float32", lambda m: copy.deepcopy(m))}  # adds one more copy, as a cast would
+    monkeypatch.setattr(bench_mod, "peers_for", lambda device, dtype, autotune=False: fakes)
+    m = torch.nn.Linear(4096, 4096, bias=False)  # 64 MiB of weights
+    r = bench(m, torch.randn(1, 4096), peers=["reads", "copies"], iters=2, warmup=1, rounds=1, progress=False)
+    mem = {row.name: row.peak_mem_mb for row in r.rows}
+    assert mem["reads"] < 32 and mem["copies"] > 48
 
 
 def test_unknown_peer_is_a_clear_error():
@@ -42,6 +156,24 @@ def test_cli_bench_json_and_plot_overwrite_guard(capsys, tmp_path):
     assert [r["name"] for r in out["rows"]] == ["eager", "torchkiln"] and png.exists()
     assert cli.main(argv) == 2  # exists: refuse without --force
     assert "pass --force" in json.loads(capsys.readouterr().out)["message"]
+
+
+def test_cli_bench_autotune_peers_flag_reaches_bench(monkeypatch, capsys):
+    seen = {}
+
+    def fake_bench(model, sample, **kw):
+        seen.update(kw)
+        return BenchResult(model="mlp", device="cpu", dtype="float32", batch=4, rows=[_row("eager", 1.0, "float32")])
+
+    monkeypatch.setattr(bench_mod, "bench", fake_bench)
+    assert cli.main(["bench", "mlp", "--batch", "4", "--autotune-peers", "--no-progress"]) == 0
+    assert seen["autotune_peers"] is True and "eager" in capsys.readouterr().out
+
+
+def test_demo_peers_cover_fp32_and_the_asked_dtype():
+    assert commands._demo_peers("float32") == "compile+freezing,torchkiln"
+    assert commands._demo_peers("bfloat16").split(",") == [
+        "compile+freezing", "compile+freezing bf16-cast", "compile+freezing bf16-autocast", "torchkiln"]
 
 
 def test_cli_demo_small_model(capsys):

@@ -22,8 +22,8 @@ def model(bug=False):
 def test_consistent_model_passes_all_checks():
     r = tk.check(model(), torch.randn(4, 16), dtype=torch.bfloat16)
     names = [row.name for row in r.rows]
-    assert names == ["grad vs no_grad", "grad vs inference_mode", "fp32 vs bfloat16 (full cast)",
-                     "eager vs optimized (bfloat16)"]
+    assert names[:3] == ["grad vs no_grad", "grad vs inference_mode", "fp32 vs bfloat16 (full cast)"]
+    assert names[3].startswith("eager vs optimized (") and names[3].endswith(", new input)")
     assert r.ok
     bf16 = r.rows[2].error["rel"]
     assert 1e-5 < bf16 < 5e-2  # a real bf16 error, not a comparison of a run with itself
@@ -58,3 +58,24 @@ def test_cli_check_json_and_exit_code(capsys):
     assert cli.main(["check", "mlp", "--batch", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is True and len(out["checks"]) == 4
+
+
+def test_optimized_row_uses_an_input_the_guard_never_saw():
+    m, x = model(), torch.randn(4, 16)
+
+    class Memorizer(nn.Module):
+        """Right on the sample it was built with, wrong elsewhere: a guard-only check passes it."""
+
+        def forward(self, t):
+            return m(t) if torch.equal(t, x) else m(t) * 1.1
+
+    r = check(m, x, dtype=torch.float32, optimized=Memorizer(), checks=("optimized",))
+    (row,) = r.rows
+    assert not row.ok and row.error["rel"] > 0.05
+
+
+def test_check_leaves_the_callers_mode_alone():
+    m = model().train()
+    m[0].eval()
+    check(m, torch.randn(4, 16), checks=("no_grad", "dtype"))
+    assert m.training and not m[0].training and m[1].training

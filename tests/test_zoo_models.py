@@ -19,8 +19,13 @@ def test_zoo_model_compiles_and_matches_eager(name, dtype):
     model, x = zoo.load(name, batch=1, seq=64)
     o = tk.optimize(model, dtype=dtype, sample_input=x)
     rep = o.kiln_report
-    assert rep.active == f"compiled full graph ({dtype})", str(rep)
-    assert rep.fallbacks == [] and rep.error["rel"] < o.kiln_recipe.tolerance
+    by = {c.name: c for c in rep.candidates}
+    # torchkiln's recipe compiles to one graph and passes the guard, whatever ends up served
+    assert by[f"torchkiln compiled ({dtype})"].status in ("served", "passed"), str(rep)
+    assert rep.fallbacks == [] and rep.guard["ok"], str(rep)
+    # never slower: nothing that was timed beats what serves
+    timed = [c.median_ms for c in rep.candidates if c.median_ms is not None]
+    assert by[rep.active].median_ms == min(timed), str(rep)
     out = o(**x) if isinstance(x, dict) else o(x)
     ref = model(**x) if isinstance(x, dict) else model(x)
     first = lambda t: t if torch.is_tensor(t) else t[0]  # noqa: E731

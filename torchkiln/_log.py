@@ -29,3 +29,16 @@ def configure(level: str | None = None) -> None:
         _handler = logging.StreamHandler()
         _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(_handler)
+
+
+_warned: set = set()
+
+
+def warn_once(key: str, msg: str, stacklevel: int = 3) -> None:
+    """A UserWarning the first time ``key`` is seen in this process; always logged."""
+    import warnings
+
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=stacklevel)
+    logging.getLogger("torchkiln").info(msg)

@@ -1,15 +1,19 @@
 """tk.bench(): torchkiln side by side with the stock-PyTorch peers a skilled user
 would try, timed the same way in the same process, with error against fp32 eager.
 
-Peers: eager fp32; torch.compile default; torch.compile with freezing (CPU);
-and where a low dtype is asked, torch.compile on the fully cast model and under
-autocast (with freezing on CPU). Each compiled peer gets its own dynamo cache
-(passes.compile.Fresh), so peers can't share compiled graphs.
+Peers are the recipes of ``torchkiln.stock`` (the same ones optimize() weighs):
+eager fp32 (the speedup baseline); plain torch.compile; the fp32 compile recipes
+and, where a low dtype is asked, eager and compiled bf16/fp16 by cast and by
+autocast. On CUDA that includes CUDA graphs (``reduce-overhead``) and, when asked,
+``max-autotune-no-cudagraphs``. Each peer runs on its own copy of the model with its
+own dynamo cache (passes.compile.Fresh), so peers can't share state or graphs.
+torchkiln is compared with the fastest peer at the dtype it actually served.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import statistics
 import time
@@ -19,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import _log, inputs
+from . import _log, inputs, stock
 from .guard import compare
-from .optimize import _model_device, optimize, parse_dtype
-from .passes import compile_model
-from .passes.compile import Fresh
+from .modelutil import keeps_mode, parse_dtype
+from .modelutil import model_device as _model_device
+from .optimize import optimize
 
 
 @dataclass
@@ -33,9 +37,15 @@ class Row:
     p90_ms: float
     p99_ms: float
     throughput: float  # items (batch rows) per second
-    peak_mem_mb: float | None  # GPU: peak allocated; CPU: resident memory the peer added
+    # What the peer itself added over build + first call + warm-up: its weight casts,
+    # packed weights, compiled code and buffers, activations; not the model copy
+    # bench hands it, made before the baseline. GPU: peak allocated minus allocated
+    # right after that copy. CPU: resident memory (RSS) growth, which also counts
+    # allocator caching and the compiler's own memory.
+    peak_mem_mb: float | None
     setup_s: float  # build + first call (compilation)
     rel_err: float  # vs fp32 eager
+    dtype: str  # compute dtype: a peer's recipe dtype; for torchkiln, the one it served
     speedup: float = 1.0  # vs eager fp32
     gflops: float | None = None
     peak_frac: float | None = None  # of the measured GEMM peak
@@ -52,17 +62,21 @@ class BenchResult:
     flops: float | None = None  # per call
     gemm_peak_gflops: float | None = None
 
+    def best_kiln(self) -> Row | None:
+        kiln = [r for r in self.rows if r.name.startswith("torchkiln")]
+        return min(kiln, key=lambda r: r.median_ms) if kiln else None
+
     def best_peer(self) -> Row | None:
-        peers = [r for r in self.rows if not r.name.startswith("torchkiln") and r.name != "eager"]
-        same_dtype = [r for r in peers if self.dtype == "float32" or "bf16" in r.name or "fp16" in r.name]
-        pool = same_dtype or peers
+        """The fastest stock peer at the dtype torchkiln served: if it fell back to
+        fp32, beating a bf16 peer would be a precision trade, not an optimization."""
+        kiln = self.best_kiln()
+        dtype = kiln.dtype if kiln else self.dtype
+        pool = [r for r in self.rows if not r.name.startswith("torchkiln") and r.name != "eager" and r.dtype == dtype]
         return min(pool, key=lambda r: r.median_ms) if pool else None
 
     def vs_best_peer(self) -> float | None:
-        kiln = [r for r in self.rows if r.name.startswith("torchkiln")]
-        tk_row = min(kiln, key=lambda r: r.median_ms) if kiln else None
-        peer = self.best_peer()
-        return round(peer.median_ms / tk_row.median_ms, 3) if tk_row and peer else None
+        kiln, peer = self.best_kiln(), self.best_peer()
+        return round(peer.median_ms / kiln.median_ms, 3) if kiln and peer else None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -72,22 +86,24 @@ class BenchResult:
         return d
 
     def table(self) -> str:
-        head = (f"{self.model} on {self.device}, dtype {self.dtype}, batch {self.batch}"
+        head = (f"{self.model} on {self.device}, dtype asked {self.dtype}, batch {self.batch}"
                 + (f", {self.flops / 1e9:.2f} GFLOP/call" if self.flops else "")
                 + (f", GEMM peak {self.gemm_peak_gflops:.0f} GFLOP/s" if self.gemm_peak_gflops else ""))
-        cols = f"{'peer':<26}{'median ms':>10}{'p90':>9}{'p99':>9}{'items/s':>10}{'x eager':>9}{'rel err':>10}" \
-               f"{'setup s':>9}{'mem MB':>9}{'%peak':>7}"
+        w = max([26] + [len(r.name) + 2 for r in self.rows])
+        cols = f"{'peer':<{w}}{'dtype':<10}{'median ms':>10}{'p90':>9}{'p99':>9}{'items/s':>10}{'x eager':>9}" \
+               f"{'rel err':>10}{'setup s':>9}{'mem MB':>9}{'%peak':>7}"
         lines = [head, cols, "-" * len(cols)]
         for r in self.rows:
             mem = f"{r.peak_mem_mb:.0f}" if r.peak_mem_mb is not None else "-"
             frac = f"{100 * r.peak_frac:.0f}" if r.peak_frac is not None else "-"
-            lines.append(f"{r.name:<26}{r.median_ms:>10.2f}{r.p90_ms:>9.2f}{r.p99_ms:>9.2f}{r.throughput:>10.1f}"
-                         f"{r.speedup:>9.2f}{r.rel_err:>10.2g}{r.setup_s:>9.1f}{mem:>9}{frac:>7}"
+            lines.append(f"{r.name:<{w}}{r.dtype:<10}{r.median_ms:>10.2f}{r.p90_ms:>9.2f}{r.p99_ms:>9.2f}"
+                         f"{r.throughput:>10.1f}{r.speedup:>9.2f}{r.rel_err:>10.2g}{r.setup_s:>9.1f}{mem:>9}{frac:>7}"
                          + (f"  {r.note}" if r.note else ""))
-        ratio = self.vs_best_peer()
-        if ratio is not None:
-            best = min((r for r in self.rows if r.name.startswith("torchkiln")), key=lambda r: r.median_ms)
-            lines.append(f"{best.name} vs best peer ({self.best_peer().name}): {ratio:.2f}x")
+        kiln, peer = self.best_kiln(), self.best_peer()
+        if kiln and peer:
+            lines.append(f"{kiln.name} vs best peer ({peer.name}), both {peer.dtype}: {self.vs_best_peer():.2f}x")
+        elif kiln:
+            lines.append(f"{kiln.name} served {kiln.dtype}: no {kiln.dtype} peer besides eager was timed")
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
@@ -176,53 +192,49 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, math.ceil(q * len(s)) - 1)]
 
 
-def peers_for(device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
-    """name -> build(model_copy) returning a callable. Mirrors what a skilled user tries."""
-    # Freezing the way PyTorch's CPU inference docs set it: the inductor config flag.
-    freeze = {"freezing": True} if device.type == "cpu" else {}
-    low = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
-    peers: dict[str, Callable] = {
-        "eager": lambda m: m,
-        "compile": lambda m: torch.compile(Fresh(m)),
-    }
-    if freeze:
-        peers["compile+freezing"] = lambda m: compile_model(m, freeze)
-    if low:
-        tag = "+freezing" if freeze else ""
-        peers[f"compile{tag} {low}-cast"] = lambda m: _cast_inputs(compile_model(m.to(dtype), freeze), dtype)
-        peers[f"compile{tag} {low}-autocast"] = lambda m: _autocast(compile_model(m, freeze), device, dtype)
-    return peers
+@dataclass(frozen=True)
+class Peer:
+    dtype: str  # the compute dtype of the recipe
+    build: Callable[[nn.Module], Callable]  # model copy -> callable; compiles lazily, on its first call
 
 
-def _cast_inputs(fn, dtype):
-    def run(*args, **kwargs):
-        a, k = inputs.to((args, kwargs), dtype=dtype)
-        return fn(*a, **k)
-    return run
+def peers_for(device: torch.device, dtype: torch.dtype, autotune: bool = False) -> dict[str, Peer]:
+    """name -> Peer, nothing built yet. Mirrors what a skilled user tries: eager fp32
+    first (the speedup baseline), then torchkiln.stock's recipes. The fp32 compile
+    recipes are there even when a low dtype is asked, for when torchkiln serves fp32."""
+    recipes = stock.eager_recipes(torch.float32)
+    if device.type == "cpu":  # plain torch.compile: what most users try before freezing
+        recipes.append(stock.StockRecipe("compile", "float32", compile=True))
+    recipes += stock.compile_recipes(device, torch.float32, autotune=autotune)
+    if dtype != torch.float32:
+        recipes += stock.eager_recipes(dtype) + stock.compile_recipes(device, dtype, autotune=autotune)
+    return {r.name: Peer(r.dtype, functools.partial(_build, r, device)) for r in recipes}
 
 
-def _autocast(fn, device, dtype):
-    def run(*args, **kwargs):
-        with torch.autocast(device.type, dtype=dtype):
-            return fn(*args, **kwargs)
-    return run
+def _build(recipe: stock.StockRecipe, device: torch.device, model: nn.Module) -> Callable:
+    # cudnn.benchmark for convolutions, as torchkiln sets it: a peer without it
+    # would lose on algorithm choice, not on anything torchkiln adds.
+    convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return stock.build(recipe, model, device, cudnn_benchmark=convs and device.type == "cuda")
 
 
+@keeps_mode
 def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = "O1", warmup: int = 5,
           iters: int = 20, peers: list[str] | None = None, name: str = "model", progress: bool = True,
-          gemm_peak_gflops: float | None = None, rounds: int = 5, **knobs) -> BenchResult:
+          gemm_peak_gflops: float | None = None, rounds: int = 5, autotune_peers: bool = False,
+          **knobs) -> BenchResult:
     """Time torchkiln against stock peers on ``sample_input``. Inference (no_grad).
 
     Every peer is built first; then ``iters`` timed calls per peer are spread over
-    ``rounds`` interleaved rounds (each after one warm-up call)."""
+    ``rounds`` interleaved rounds (each after one warm-up call). ``autotune_peers``
+    adds torch.compile ``max-autotune-no-cudagraphs`` peers (CUDA; slow to build)."""
     _log.configure()
     compute = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else _model_device(model)
-    model = model.eval()
     if _model_device(model) != dev:
         model = copy.deepcopy(model).to(dev)
     sample = inputs.to(inputs.normalize(sample_input), dev)
-    all_peers = peers_for(dev, compute)
+    all_peers = peers_for(dev, compute, autotune=autotune_peers)
     kiln_variants = ("torchkiln", "torchkiln-O0", "torchkiln-O1", "torchkiln-O2")
     if peers is not None:
         bad = set(peers) - set(all_peers) - set(kiln_variants)
@@ -232,7 +244,8 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     with torch.no_grad():
         ref = model(*sample[0], **sample[1])
     flops = model_flops(model, sample)
-    result = BenchResult(model=name, device=str(dev), dtype=str(compute).removeprefix("torch."),
+    asked = str(compute).removeprefix("torch.")
+    result = BenchResult(model=name, device=str(dev), dtype=asked,
                          batch=inputs.batch_size(sample), flops=flops, gemm_peak_gflops=gemm_peak_gflops)
     builders: dict = dict(all_peers)
     for variant in kiln_variants:  # None marks a torchkiln build; the suffix is its level
@@ -244,43 +257,52 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     rounds = max(1, min(rounds, iters))
     with _progress(progress) as prog:
         task = prog.add_task("build + compile", total=len(builders)) if prog else None
-        for peer, build in builders.items():
+        for peer, spec in builders.items():
+            # A copy per stock peer so none can change another's weights (eager only reads them).
+            own = model if spec is None or peer == "eager" else copy.deepcopy(model)
+            # Memory baselines after that copy: a peer is charged for what it adds, not for it.
+            synchronize(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
+                base = torch.cuda.memory_allocated(dev)
             rss0 = _rss()
             t0 = time.perf_counter()
-            note = ""
             with torch.no_grad():
-                if build is None:
+                if spec is None:
                     lvl = peer.partition("-")[2] or level
                     fn = optimize(model, dtype=compute, level=lvl, sample_input=sample_input, device=dev, **knobs)
-                    note = fn.kiln_report.active
                 else:
-                    fn = build(model if peer == "eager" else copy.deepcopy(model))
+                    fn = spec.build(own)
                 out = fn(*sample[0], **sample[1])
                 synchronize(dev)
                 setup = time.perf_counter() - t0
                 _time(fn, *sample, dev, warmup=max(0, warmup - 1), iters=0)
-            # GPU: peak allocated during build + first call. CPU: resident memory the
-            # peer added (its weight copies, packed weights, compiled code).
-            mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else (_rss() - rss0) / 2**20
+            if dev.type == "cuda":
+                mem = (torch.cuda.max_memory_allocated(dev) - base) / 2**20
+            else:
+                mem = (_rss() - rss0) / 2**20
             err = compare(inputs.tree_map(lambda t: t.float() if t.is_floating_point() else t, out), ref)
-            built[peer] = (fn, setup, mem, err, note, [])
+            if spec is None:  # read after the first call: torchkiln may settle what it serves there
+                served = getattr(fn.kiln_report, "dtype_served", None) or asked
+                dtype_row, note = str(served).removeprefix("torch."), fn.kiln_report.active
+            else:
+                dtype_row, note = spec.dtype, ""
+            built[peer] = (fn, setup, mem, err, dtype_row, note, [])
             if prog:
                 prog.advance(task)
         task = prog.add_task("timing (interleaved)", total=rounds * len(built)) if prog else None
         per_round = [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
         with torch.no_grad():
             for n in per_round:
-                for fn, _, _, _, _, times in built.values():
+                for fn, *_, times in built.values():
                     times += _time(fn, *sample, dev, warmup=1, iters=n)
                     if prog:
                         prog.advance(task)
-    for peer, (_fn, setup, mem, err, note, times) in built.items():
+    for peer, (_fn, setup, mem, err, dtype_row, note, times) in built.items():
         med = statistics.median(times)
         row = Row(name=peer, median_ms=med * 1e3, p90_ms=_pct(times, 0.9) * 1e3, p99_ms=_pct(times, 0.99) * 1e3,
                   throughput=(result.batch or 1) / med, peak_mem_mb=mem, setup_s=round(setup, 2),
-                  rel_err=err.rel, note=note)
+                  rel_err=err.rel, dtype=dtype_row, note=note)
         if flops:
             row.gflops = flops / med / 1e9
             if gemm_peak_gflops:

@@ -31,7 +31,7 @@ def _load(args):
     import torch
 
     from . import zoo
-    from .optimize import parse_dtype
+    from .modelutil import parse_dtype
 
     parse_dtype(args.dtype)  # fail fast on a bad dtype, before building a model
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
@@ -47,7 +47,7 @@ def _bench(args, model_name: str) -> int:
     import torch
 
     from .bench import bench, gemm_peak
-    from .optimize import parse_dtype
+    from .modelutil import parse_dtype
 
     if args.plot and os.path.exists(args.plot) and not args.force:
         raise FileExistsError(f"--plot {args.plot!r} exists; pass --force to overwrite it")
@@ -58,7 +58,7 @@ def _bench(args, model_name: str) -> int:
     peers = args.peers.split(",") if args.peers else None
     result = bench(model, sample, dtype=dtype, device=device, level=args.level, warmup=args.warmup,
                    iters=args.iters, peers=peers, name=model_name, progress=not args.json and not args.no_progress,
-                   gemm_peak_gflops=peak)
+                   gemm_peak_gflops=peak, autotune_peers=args.autotune_peers)
     if args.plot:
         result.plot(args.plot)
     if args.json:
@@ -86,10 +86,23 @@ def _default_demo_model() -> str:
     return "bert-base" if importlib.util.find_spec("transformers") else "resnet50"
 
 
+def _demo_peers(dtype: str) -> str:
+    """compile+freezing, the strongest stock CPU recipe, at fp32 and at the asked dtype:
+    torchkiln is compared at the dtype it serves, which may be fp32 after a fallback."""
+    import torch
+
+    from .bench import peers_for
+    from .modelutil import parse_dtype
+
+    names = [n for n in peers_for(torch.device("cpu"), parse_dtype(dtype)) if n.startswith("compile+freezing")]
+    return ",".join([*names, "torchkiln"])
+
+
 def _cmd_demo(args) -> int:
     args.model = args.model or _default_demo_model()
     args.shape, args.device, args.level, args.results = None, None, "O1", None
-    args.peak = True
+    args.peak, args.autotune_peers = True, False
+    args.peers = args.peers or _demo_peers(args.dtype)
     if not args.json:
         print(f"torchkiln demo: optimizing a built-in {args.model} (random weights) at batch {args.batch} "
               "and timing it against stock PyTorch in this process...\n")
@@ -115,6 +128,8 @@ def register(sub, common) -> None:
     b.add_argument("--iters", type=int, default=20)
     b.add_argument("--warmup", type=int, default=5)
     b.add_argument("--peers", help="comma list of peers (default: all for this device and dtype)")
+    b.add_argument("--autotune-peers", action="store_true",
+                   help="also time torch.compile max-autotune-no-cudagraphs peers (CUDA; slow to build)")
     b.add_argument("--plot", help="write a bar chart PNG here")
     b.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     b.add_argument("--peak", action="store_true", help="also measure the GEMM peak and report %% of it")
@@ -130,7 +145,8 @@ def register(sub, common) -> None:
     d.add_argument("--dtype", default="float32")
     d.add_argument("--iters", type=int, default=10)
     d.add_argument("--warmup", type=int, default=3)
-    d.add_argument("--peers", default="compile+freezing,torchkiln", help="peers besides eager (default: the strongest stock CPU peer and torchkiln)")
+    d.add_argument("--peers", default=None, help="peers besides eager (default: torchkiln and compile+freezing, "
+                                                 "the strongest stock CPU recipe, at fp32 and at --dtype)")
     d.add_argument("--plot", help="write a bar chart PNG here")
     d.add_argument("--force", action="store_true")
     d.add_argument("--no-progress", action="store_true")

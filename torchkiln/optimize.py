@@ -1,340 +1,508 @@
-"""tk.optimize(): validate, plan, apply passes, compile, verify, report.
+"""tk.optimize(): validate, plan, then serve the fastest verified candidate.
 
-The returned KilnModule serves calls from the first step of a fallback chain
-that works and matches fp32 eager within the recipe's tolerance:
+At ``sample_input`` (or the first call) every candidate (candidates.py) is built,
+run, compared with the original model by the numeric guard (guard.py), and the
+ones that pass are timed against each other in interleaved rounds. The fastest
+serves calls; the report keeps every measurement. Later:
 
-    compiled (full graph) -> compiled (graph breaks) -> eager passes
-      -> [the same three at float32, when a lower dtype was planned] -> the original model
-
-Each step down is recorded in the report with the exception or the error seen,
-and warned about once. The original model is kept (not copied) for
-``state_dict``/``load_state_dict``, the numeric guard and the last fallback.
+- a new input-shape signature is verified again (``verify="shapes"``, the first
+  few signatures);
+- a failure that is not the user's (the original accepts the inputs) steps down
+  to the next candidate in measured order, only if that one passes on the same
+  inputs; an out-of-memory error is re-raised, never a reason to step down;
+- an in-place change of the original's weights (load_state_dict, an EMA update)
+  is noticed through tensor version counters and the served candidate rebuilt.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import itertools
 import logging
+import statistics
 import threading
 import time
-import warnings
 
 import torch
 from torch import nn
 
 from . import _log, inputs
-from .guard import compare
+from ._log import warn_once
+from .candidates import Candidate, candidates
+from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect
-from .passes import (
-    cast_dtype,
-    channels_last,
-    compile_model,
-    concat_linear,
-    fold_conv_bn,
-    fold_linear_bn,
-    onednn_linear,
-    replace_dropout,
+from .modelutil import (
+    DTYPES,
+    dtype_name,
+    eval_mode,
+    has_conv,
+    model_device,
+    model_dtype,
+    parse_dtype,
+    tensors,
+    training_module,
 )
-from .passes.compile import Compiled
-from .passes.onednn_linear import input_rows
-from .passes.sdpa_math import SDPARouter
 from .plan import INTEL_ONLY, KNOBS, plan
 from .recipe import Recipe
-from .report import Fallback, Report
+from .report import Fallback, Measurement, Report
+from .timing import interleaved
 
 log = logging.getLogger(__name__)
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
-_warned: set = set()
+VERIFY = ("shapes", "first", "off")
+SCOPES = ("auto", "torchkiln")
+VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
 
 
-def _warn_once(key: str, msg: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, stacklevel=3)
-    log.info(msg)
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16 or "
-                     f"torch.float16 (or the strings {sorted(set(_DTYPES))})")
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-class _Runner(nn.Module):
-    """The fast model plus the per-call input/output conversions, compiled as one
-    graph so the casts and layout changes fuse with the first and last kernels."""
-
-    def __init__(self, fast: nn.Module, recipe: Recipe, compute: torch.dtype):
-        super().__init__()
-        self.fast = fast
-        self.cast = recipe.dtype_mode == "cast" and compute != torch.float32
-        self.autocast = recipe.dtype_mode == "autocast" and compute != torch.float32
-        self.compute = compute
-        self.device_type = torch.device(recipe.device).type
-        self.channels_last = recipe.memory_format == "channels_last"
-        self.router = SDPARouter() if recipe.attention == "auto" else None
-        self.calibrated = self.router is None
-
-    def _convert_in(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            if self.cast:
-                t = t.to(self.compute)
-            if self.channels_last and t.dim() in (4, 5):
-                t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
-        return t
-
-    def calibrate(self, args, kwargs) -> None:
-        """One eager call on real inputs, so the attention router can time its choices."""
-        if self.calibrated:
-            return
-        self.router.calibrating = True
-        try:
-            with torch.no_grad():
-                self.forward(*args, **kwargs)
-        finally:
-            self.router.calibrating = False
-            self.calibrated = True
-
-    def _call(self, args, kwargs):
-        if self.autocast:
-            with torch.autocast(self.device_type, dtype=self.compute):
-                return self.fast(*args, **kwargs)
-        return self.fast(*args, **kwargs)
-
-    def forward(self, *args, **kwargs):
-        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
-        args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
-        if self.router is not None:
-            with self.router:
-                out = self._call(args, kwargs)
-        else:
-            out = self._call(args, kwargs)
-        if self.cast or self.autocast:
-            out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
-        return out
-
-
-def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, inplace: bool,
-               applied: list[str], fallbacks: list[Fallback]) -> nn.Module:
-    """Apply the recipe's eager passes to a copy that shares untouched tensors with ``original``."""
-    device = torch.device(recipe.device)
-    if inplace:
-        fast = original.to(device)
-    else:
-        # Share parameter and buffer tensors: passes that change a tensor make a new
-        # one, so the original stays intact without doubling memory for the rest.
-        # (Module.to() would assign param.data in place on the shared Parameters and
-        # so move the caller's model too: tensors are moved here, as new objects.)
-        memo = {id(t): _on(t, device) for t in itertools.chain(original.parameters(), original.buffers())}
-        fast = copy.deepcopy(original, memo)
-    fast.eval()
-    compute = _DTYPES[recipe.dtype]
-    for name in recipe.passes:
-        try:
-            if name == "replace_dropout":
-                fast = replace_dropout(fast)
-            elif name == "fold_conv_bn":
-                fast = fold_conv_bn(fast)
-                name = f"fold_conv_bn ({fast._kiln_folded_conv_bn} folded)"
-            elif name == "fold_linear_bn":
-                fast = fold_linear_bn(fast)
-                name = f"fold_linear_bn ({fast._kiln_folded_linear_bn} folded)"
-            elif name == "concat_linear":
-                if sample is None:
-                    fallbacks.append(Fallback("concat_linear", "skipped", "needs sample_input to see dataflow"))
-                    continue
-                fast = concat_linear(fast, *inputs.to(sample, device))
-            elif name == "cast_dtype":
-                fast = cast_dtype(fast, compute, recipe.fp32_modules)
-                name = f"cast_dtype ({recipe.dtype}, fp32 kept for {len(recipe.fp32_modules)} module kinds)"
-            elif name == "channels_last":
-                fast = channels_last(fast)
-            elif name == "onednn_linear":
-                rows = input_rows(fast, *_runner_inputs(sample, device, compute, recipe)) if sample else None
-                fast = onednn_linear(fast, rows)
-            applied.append(name)
-        except Exception as e:  # one pass failing must not cost the others
-            fallbacks.append(Fallback(name, "skipped", f"{type(e).__name__}: {e}"))
-            _warn_once(f"pass:{name}:{type(e).__name__}", f"torchkiln: pass {name} failed and was skipped: {e}")
-    return fast
-
-
-def _runner_inputs(sample: inputs.Args, device, compute: torch.dtype, recipe: Recipe) -> inputs.Args:
-    """The sample as the fast model sees it inside the runner (device, dtype)."""
-    cast = recipe.dtype_mode == "cast" and compute != torch.float32
-    return inputs.to(sample, device, compute if cast else None)
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
-    if isinstance(t, nn.Parameter):
-        return nn.Parameter(t.detach().to(device), requires_grad=t.requires_grad)
-    return t.to(device)
+def _oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) if hasattr(torch, "OutOfMemoryError") else "out of memory" in str(e)
 
 
 class KilnModule(nn.Module):
-    """An optimized model. Behaves like the original for calls, ``state_dict``
-    and attribute access; ``kiln_report`` says what was done."""
+    """An optimized model that behaves like the original: calls, parameters,
+    buffers, modules, ``state_dict`` both ways, attribute access, no-op moves.
+    ``kiln_report`` says what serves the calls and why."""
 
-    def __init__(self, original: nn.Module, recipe: Recipe, report: Report,
-                 sample: inputs.Args | None, inplace: bool):
+    def __init__(self, original: nn.Module, recipe: Recipe, report: Report, sample: inputs.Args | None,
+                 inplace: bool, verify: str, scope: str, time_budget: float, reference=None):
         super().__init__()
-        object.__setattr__(self, "kiln_original", original)
-        object.__setattr__(self, "kiln_recipe", recipe)
-        object.__setattr__(self, "kiln_report", report)
-        object.__setattr__(self, "_sample", sample)
-        object.__setattr__(self, "_inplace", inplace)
-        object.__setattr__(self, "_lock", threading.RLock())
-        self._reset()
+        s = object.__setattr__
+        s(self, "kiln_original", original)
+        s(self, "kiln_recipe", recipe)
+        s(self, "kiln_report", report)
+        s(self, "_sample", sample)
+        s(self, "_opts", {"inplace": inplace, "verify": verify, "scope": scope, "time_budget": time_budget})
+        s(self, "_lock", threading.RLock())
+        s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
+        self._reset(choice=None)
 
-    def _reset(self) -> None:
-        object.__setattr__(self, "_fn", None)
-        object.__setattr__(self, "_chain", self._steps())
+    # ----------------------------------------------------------------- state
+    def _reset(self, choice: str | None) -> None:
+        s = object.__setattr__
+        o = self._opts
+        s(self, "_cands", candidates(self.kiln_original, self.kiln_recipe, self._sample, o["inplace"], o["scope"],
+                                     self.kiln_report.fallbacks))
+        s(self, "_choice", choice)  # name of the candidate to rebuild (after a weight change or a copy)
+        s(self, "_fn", None)
+        s(self, "_served", None)
+        s(self, "_order", [])  # candidate names to step down to, in order
+        s(self, "_tols", None)
+        s(self, "_shapes", set())
+        s(self, "_weights", tensors(self.kiln_original))
+        s(self, "_versions", None)
+        s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
 
-    def _steps(self):
-        """Lazily yields (label, callable, runner or None) from fastest to safest."""
-        recipes = [self.kiln_recipe]
-        if self.kiln_recipe.dtype != "float32":
-            recipes.append(self.kiln_recipe.replace(
-                dtype="float32", dtype_mode="none", fp32_modules=(),
-                passes=tuple(p for p in self.kiln_recipe.passes if p != "cast_dtype")))
-        report = self.kiln_report
-        for rec in recipes:
-            applied: list[str] = []
-            fast = build_fast(self.kiln_original, rec, self._sample, self._inplace, applied, report.fallbacks)
-            report.applied = applied
-            runner = _Runner(fast, rec, _DTYPES[rec.dtype])
-            tag = rec.dtype
-            if rec.compile:
-                opts = dict(rec.compile_options)
-                yield f"compiled full graph ({tag})", compile_model(runner, opts, fullgraph=True, private=True), runner
-                yield f"compiled with graph breaks ({tag})", compile_model(runner, opts, fullgraph=False, private=True), runner
-            yield f"eager passes ({tag})", runner, runner
-        report.applied = []
-        yield "original model", self.kiln_original, None
+    def __getstate__(self):
+        # Compiled code, locks and graph pools don't copy or pickle: a copy keeps the
+        # decision (which candidate serves) and rebuilds it on its first call.
+        return {"original": self.kiln_original, "recipe": self.kiln_recipe, "report": self.kiln_report,
+                "sample": self._sample, "opts": self._opts, "choice": self._choice or self.kiln_report.active,
+                "sample_ref": self._sample_ref, "training": self.training}
 
-    def _advance(self, args, kwargs, reason: str | None) -> object:
-        """Step down the chain until a step runs these inputs and passes the guard."""
-        report = self.kiln_report
-        ref = self._reference(args, kwargs) if self._sample is not None or not self._inplace else None
-        tol = self.kiln_recipe.tolerance
-        label_prev = report.active
-        for label, fn, runner in self._chain:
-            if reason is not None:
-                report.fallbacks.append(Fallback(label_prev, label, reason))
-                _warn_once(f"fb:{id(self)}:{label_prev}", f"torchkiln: {label_prev} -> {label}: {reason}")
-            t0 = time.perf_counter()
-            try:
-                if runner is not None and not runner.calibrated:
-                    runner.calibrate(args, kwargs)
-                    if runner.router.timings:
-                        report.applied.append("sdpa_math: " + runner.router.summary())
-                with torch.no_grad():
-                    out = fn(*args, **kwargs)
-            except Exception as e:
-                if fn is self.kiln_original:
-                    raise
-                reason, label_prev = f"{type(e).__name__}: {_first_line(e)}", label
-                if label.startswith("compiled full graph") and not _is_graph_break(e):
-                    # The failure is in inductor, not tracing: graph breaks would hit it again.
-                    label_prev = "compiled full graph and with graph breaks"
-                    next(self._chain)
-                continue
-            if report.first_call_seconds is None:
-                report.first_call_seconds = round(time.perf_counter() - t0, 3)
-            if ref is not None and fn is not self.kiln_original:
-                err = compare(out, ref)
-                report.error, report.tolerance = err.to_dict(), tol
-                if not err.ok(tol):
-                    reason, label_prev = f"output differs from fp32 eager: {err} > tolerance {tol:g}", label
-                    continue
-            object.__setattr__(self, "_fn", fn)
-            report.active = label
-            return inputs.tree_map(torch.clone, out) if self._graphs(fn) else out
-        raise RuntimeError("unreachable: the original model ends the chain")
+    def __setstate__(self, state):
+        nn.Module.__init__(self)
+        s = object.__setattr__
+        s(self, "kiln_original", state["original"])
+        s(self, "kiln_recipe", state["recipe"])
+        s(self, "kiln_report", state["report"])
+        s(self, "_sample", state["sample"])
+        s(self, "_opts", state["opts"])
+        s(self, "_lock", threading.RLock())
+        s(self, "_sample_ref", state["sample_ref"])
+        choice = state["choice"]
+        self._reset(choice=choice if choice != "pending first call" else None)
 
-    def _reference(self, args, kwargs):
-        """The original model on these inputs (moved to its device): fp32 eager truth."""
-        ref_args, ref_kwargs = inputs.to((args, kwargs), _model_device(self.kiln_original))
-        with torch.no_grad():
-            return self.kiln_original(*ref_args, **ref_kwargs)
-
-    def _flags(self):
-        """Backend flags the recipe wants, set for the duration of our call only."""
-        if not self.kiln_recipe.cudnn_benchmark:
-            return contextlib.nullcontext()
-        c = torch.backends.cudnn
-        return c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
-
-    def _graphs(self, fn) -> bool:
-        return self.kiln_recipe.cuda_graphs and isinstance(fn, Compiled)
-
+    # ------------------------------------------------------------------ calls
     def forward(self, *args, **kwargs):
-        with self._flags():
-            return self._forward(args, kwargs)
-
-    def _forward(self, args, kwargs):
         fn = self._fn
-        if fn is None:
+        if fn is None or self._stale():
             with self._lock:
-                if self._fn is None:
-                    return self._advance(args, kwargs, None)
+                if self._fn is None or self._stale():
+                    if self._fn is not None:
+                        self._reset(choice=self.kiln_report.active)
+                        log.info("torchkiln: the original's weights changed in place; rebuilding %s", self._choice)
+                    return self._setup(args, kwargs)
                 fn = self._fn
+        if self._check_shape(args, kwargs):
+            with self._lock:
+                return self._verify_shape(args, kwargs)
         try:
-            if self._graphs(fn):
-                # Graph outputs live in a pool the next replay overwrites, and graph
-                # trees are per thread: serialise calls and hand out copies.
-                with self._lock, torch.no_grad():
-                    return inputs.tree_map(torch.clone, fn(*args, **kwargs))
-            with torch.no_grad():
-                return fn(*args, **kwargs)
+            return self._serve(fn, args, kwargs)
         except Exception as e:
-            if fn is self.kiln_original:
+            if _oom(e) or self._served.kind == "original":
                 raise
             with self._lock:
-                # Only step down if eager itself accepts these inputs: a user error
-                # (wrong shape) must raise, not degrade the model.
-                self._reference(args, kwargs)
                 if self._fn is fn:
-                    return self._advance(args, kwargs, f"{type(e).__name__}: {_first_line(e)}")
-            return self._forward(args, kwargs)
+                    return self._step_down(args, kwargs, f"{type(e).__name__}: {_first_line(e)}")
+            return self.forward(*args, **kwargs)
 
-    # The original's checkpoint format, both ways.
+    def _serve(self, fn, args, kwargs):
+        if self.kiln_original.training:
+            raise RuntimeError("the original model was put in training mode after tk.optimize(); the optimized "
+                               "model serves inference only. Call model.eval() on it, or optimize with optimizer= "
+                               "for training")
+        if self._served.cuda_graphs:
+            # Graph outputs live in a pool the next replay overwrites, and graph trees
+            # are per thread: serialise calls and hand out copies.
+            with self._lock, torch.no_grad():
+                return inputs.tree_map(torch.clone, fn(*args, **kwargs))
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    def _stale(self) -> bool:
+        return self._versions is not None and [t._version for t in self._weights] != self._versions
+
+    def _remember_weights(self) -> None:
+        object.__setattr__(self, "_versions", [t._version for t in self._weights])
+
+    # ------------------------------------------------------------- reference
+    def _reference(self, args, kwargs):
+        """The original model, in eval mode, on these inputs (moved to its device)."""
+        if self._opts["inplace"]:
+            return None  # its weights are the optimized ones now: no untouched truth
+        ref_args, ref_kwargs = inputs.to((args, kwargs), model_device(self.kiln_original))
+        with eval_mode(self.kiln_original), torch.no_grad():
+            return self.kiln_original(*ref_args, **ref_kwargs)
+
+    def _signature(self, args, kwargs) -> tuple:
+        def sig(v):
+            return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+        return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in kwargs.items())
+
+    def _mark_verified(self, args, kwargs) -> None:
+        self._shapes.add(self._signature(args, kwargs))
+        self.kiln_report.verified_shapes = len(self._shapes) if self._tols is not None else 0
+
+    def _check_shape(self, args, kwargs) -> bool:
+        if self._opts["verify"] != "shapes" or len(self._shapes) >= VERIFIED_SHAPES:
+            return False
+        return self._signature(args, kwargs) not in self._shapes
+
+    # ------------------------------------------------------------- selection
+    def _setup(self, args, kwargs):
+        """First call (or rebuild): verify and time candidates, serve the fastest."""
+        report = self.kiln_report
+        t0 = time.perf_counter()
+        verify = self._opts["verify"] != "off"
+        ref = None
+        if verify:
+            ref = self._reference(args, kwargs)
+            if ref is None and self._sample_ref is not None and self._sample is not None \
+                    and self._signature(args, kwargs) == self._signature(*self._sample):
+                ref = self._sample_ref
+        measures = {m.name: m for m in report.candidates}
+        if self._choice is not None:
+            out = self._rebuild(args, kwargs, ref, measures)
+            if out is not _FAILED:
+                return out
+        outs: dict[str, object] = {}
+        passed: dict[str, object] = {}
+        for tier in sorted({c.tier for c in self._cands}):
+            for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
+                m = measures.setdefault(cand.name, Measurement(cand.name, cand.kind, cand.dtype))
+                fn, out, why = self._try(cand, args, kwargs, measures)
+                if fn is None:
+                    m.status, m.reason = "failed", why
+                    continue
+                cand = self._current(cand)
+                m = measures[cand.name]
+                if ref is not None:
+                    if self._tols is None:
+                        self._set_tolerances(out, ref, cand)
+                    v = verdict(out, ref, self._tols)
+                    if not v.ok:
+                        m.status, m.reason = "failed", f"output differs from the original: {v}"
+                        continue
+                if not cand.serve:
+                    m.status, m.reason = "baseline only", "sets the guard's tolerance (candidates='torchkiln')"
+                    continue
+                m.status, m.reason = "passed", ""
+                passed[cand.name] = fn
+                outs[cand.name] = out
+            if passed:
+                break
+        report.candidates = list(measures.values())
+        if not passed:
+            return self._serve_original(args, kwargs, ref, "no candidate passed the numeric guard")
+        ts = time.perf_counter()
+        if len(passed) > 1:
+            self._time(passed, args, kwargs, measures)
+        report.selection_seconds = round(time.perf_counter() - ts, 3)
+        timed = {n: measures[n].median_ms for n in passed if measures[n].median_ms is not None}
+        best = min(timed, key=timed.get) if timed else next(iter(passed))
+        order = sorted(passed, key=lambda n: timed.get(n, float("inf")))
+        self._install(best, passed[best], order)
+        self._after_select(ref, outs[best], measures)
+        if report.first_call_seconds is None:
+            report.first_call_seconds = round(time.perf_counter() - t0, 3)
+        self._mark_verified(args, kwargs)
+        self._remember_weights()
+        return self._serve(passed[best], args, kwargs) if self._served.cuda_graphs else outs[best]
+
+    def _rebuild(self, args, kwargs, ref, measures):
+        """After a weight change or a copy: rebuild the candidate that was chosen, keep
+        the decision if it still passes; otherwise a full selection follows."""
+        cand = next((c for c in self._cands if c.name == self._choice), None)
+        if cand is None or cand.kind == "original":
+            return self._serve_original(args, kwargs, ref, "the original model was serving") if cand else _FAILED
+        fn, out, why = self._try(cand, args, kwargs, measures)
+        if fn is not None and ref is not None and self._tols is not None and not verdict(out, ref, self._tols).ok:
+            why = f"output differs from the original: {verdict(out, ref, self._tols)}"
+        if why is not None or fn is None:
+            self.kiln_report.fallbacks.append(Fallback(self._choice, "a new selection", f"rebuild failed: {why}"))
+            object.__setattr__(self, "_choice", None)
+            return _FAILED
+        cand = self._current(cand)
+        self._install(cand.name, fn, [cand.name] + [c.name for c in self._cands if c.name != cand.name])
+        self._mark_verified(args, kwargs)
+        self._remember_weights()
+        return self._serve(fn, args, kwargs) if cand.cuda_graphs else out
+
+    def _try(self, cand: Candidate, args, kwargs, measures) -> tuple:
+        """Build and run once. Returns (callable, output, None) or (None, None, reason)."""
+        try:
+            fn = cand.make()
+            with torch.no_grad():
+                out = fn(*args, **kwargs)
+            return fn, out, None
+        except Exception as e:
+            if _oom(e):
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                return None, None, "out of memory (skipped)"
+            reason = f"{type(e).__name__}: {_first_line(e)}"
+            if cand.graph_breaks is not None and _is_graph_break(e):
+                alt = cand.graph_breaks()
+                self._replace(cand, alt)
+                measures[cand.name].status, measures[cand.name].reason = "failed", reason
+                measures[alt.name] = Measurement(alt.name, alt.kind, alt.dtype)
+                self.kiln_report.fallbacks.append(Fallback(cand.name, alt.name, reason))
+                return self._try(alt, args, kwargs, measures)
+            return None, None, reason
+
+    def _replace(self, old: Candidate, new: Candidate) -> None:
+        self._cands[self._cands.index(old)] = new
+        self._swap[old.name] = new
+
+    def _current(self, cand: Candidate) -> Candidate:
+        while cand.name in self._swap:
+            cand = self._swap[cand.name]
+        return cand
+
+    def _set_tolerances(self, out, ref, cand: Candidate) -> None:
+        dtype = DTYPES[self.kiln_recipe.dtype]
+        n = len(compare_each(out, ref))
+        baseline = None
+        if dtype != torch.float32 and cand.kind == "eager" and "cast" in cand.name:
+            baseline = compare_each(out, ref)  # the plain cast: what this precision costs here
+        tf32 = tf32_allowed(torch.device(self.kiln_recipe.device), has_conv(self.kiln_original))
+        object.__setattr__(self, "_tols", tolerances(dtype, baseline, n, tf32))
+
+    def _time(self, passed: dict, args, kwargs, measures) -> None:
+        dev = torch.device(self.kiln_recipe.device)
+        warm = 3 if dev.type == "cuda" else 1  # CUDA graph trees record on the 2nd/3rd call
+        fns = {}
+        for name, fn in passed.items():
+            graphs = self._find(name).cuda_graphs
+            call = (lambda fn=fn: inputs.tree_map(torch.clone, fn(*args, **kwargs))) if graphs else \
+                (lambda fn=fn: fn(*args, **kwargs))
+            with torch.no_grad():
+                for _ in range(warm):
+                    call()
+            fns[name] = call
+        with torch.no_grad():
+            times = interleaved(fns, dev, self._opts["time_budget"])
+        for name, ts in times.items():
+            measures[name].median_ms = round(statistics.median(ts) * 1e3, 4)
+            measures[name].calls_timed = len(ts)
+
+    def _find(self, name: str) -> Candidate:
+        return next(c for c in self._cands if c.name == name)
+
+    def _install(self, name: str, fn, order: list[str]) -> None:
+        cand = self._find(name)
+        report = self.kiln_report
+        rest = [c.name for c in self._cands if c.name not in order]
+        object.__setattr__(self, "_order", order + rest)
+        object.__setattr__(self, "_served", cand)
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_choice", name)
+        report.active = name
+        report.dtype_served = cand.dtype
+        report.applied = list(cand.applied) if cand.kind == "torchkiln" else []
+        for m in report.candidates:
+            if m.status == "served":
+                m.status = "passed"
+            if m.name == name:
+                m.status = "served"
+
+    def _after_select(self, ref, out, measures) -> None:
+        report = self.kiln_report
+        served = self._served
+        if ref is not None and self._tols is not None:
+            v = verdict(out, ref, self._tols)
+            report.guard = v.to_dict()
+            worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-30))
+            report.error, report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
+        else:
+            report.guard = {"ok": None, "outputs": [], "note": "unverified: " + (
+                "verify='off'" if self._opts["verify"] == "off" else "no untouched reference (inplace=True)")}
+        ms = {m.name: m for m in measures.values() if m.median_ms is not None}
+        me = ms.get(served.name)
+        if me is not None:
+            eager = [m.median_ms for m in ms.values() if m.kind == "eager"]
+            stocks = [m.median_ms for m in ms.values() if m.kind == "stock"]
+            if eager:
+                report.speedup["vs_eager"] = round(min(eager) / me.median_ms, 3)
+            if stocks:
+                report.speedup["vs_stock"] = round(min(stocks) / me.median_ms, 3)
+        if served.kind != "torchkiln":
+            what = {"eager": "the model as given (eager) was fastest", "stock": "the stock torch.compile recipe "
+                    "was fastest"}.get(served.kind, "")
+            warn_once(f"served:{id(self)}", f"torchkiln: nothing of torchkiln's own beat the alternatives here; "
+                      f"serving {served.name!r} ({what}). See tk.report(model).")
+        elif served.tier > 0:
+            warn_once(f"served:{id(self)}", f"torchkiln: no {self.kiln_recipe.dtype} candidate passed the numeric "
+                      f"guard; serving {served.name!r}. See tk.report(model).")
+
+    def _serve_original(self, args, kwargs, ref, reason: str):
+        cand = next((c for c in self._cands if c.kind == "original"), None)
+        if cand is None:  # inplace=True: the last torchkiln step stays, loudly
+            cand = next(c for c in self._cands if "eager passes" in c.name)
+            warn_once(f"noguard:{id(self)}", f"torchkiln: {reason}, and with inplace=True there is no untouched "
+                      "model to fall back to: serving the eager passes anyway. Use inplace=False.")
+        fn = cand.make()
+        self.kiln_report.fallbacks.append(Fallback("every candidate", cand.name, reason))
+        warn_once(f"orig:{id(self)}", f"torchkiln: {reason}; serving {cand.name!r}. See tk.report(model).")
+        self._install(cand.name, fn, [cand.name])
+        self._mark_verified(args, kwargs)
+        self._remember_weights()
+        with torch.no_grad():
+            return fn(*args, **kwargs) if ref is None else ref
+
+    # ----------------------------------------------------- later: verify / step down
+    def _verify_shape(self, args, kwargs):
+        sig = self._signature(args, kwargs)
+        if sig in self._shapes or len(self._shapes) >= VERIFIED_SHAPES:
+            return self._serve(self._fn, args, kwargs)
+        ref = self._reference(args, kwargs)  # raises for inputs the model itself rejects
+        try:
+            out = self._serve(self._fn, args, kwargs)
+        except Exception as e:
+            if _oom(e) or self._served.kind == "original":
+                raise
+            return self._step_down(args, kwargs, f"{type(e).__name__}: {_first_line(e)}", ref)
+        if ref is not None and self._served.kind != "original":
+            v = verdict(out, ref, self._tols or tolerances(DTYPES[self.kiln_recipe.dtype], None, 1))
+            if not v.ok:
+                return self._step_down(args, kwargs, f"output differs from the original on new input shapes: {v}",
+                                       ref)
+        self._mark_verified(args, kwargs)
+        return out
+
+    def _step_down(self, args, kwargs, reason: str, ref=None):
+        """Walk the measured order below the served candidate; a step is taken only if
+        it runs these inputs and passes the guard. The original ends the walk."""
+        if ref is None:
+            ref = self._reference(args, kwargs)  # user errors raise here, unchanged
+        report = self.kiln_report
+        here = self._served.name
+        below = self._order[self._order.index(here) + 1:] if here in self._order else []
+        measures = {m.name: m for m in report.candidates}
+        for name in below:
+            cand = self._find(name)
+            if cand.kind == "original":
+                break
+            fn, out, why = self._try(cand, args, kwargs, measures)
+            if fn is None:
+                continue
+            if ref is not None and self._tols is not None and not verdict(out, ref, self._tols).ok:
+                continue
+            report.fallbacks.append(Fallback(here, cand.name, reason))
+            warn_once(f"fb:{id(self)}:{here}", f"torchkiln: {here} -> {cand.name}: {reason}")
+            self._install(cand.name, fn, self._order)
+            self._mark_verified(args, kwargs)
+            return self._serve(fn, args, kwargs) if cand.cuda_graphs else out
+        return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
+
+    # ------------------------------------------------------- the original's face
     def state_dict(self, *args, **kwargs):
         return self.kiln_original.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        result = self.kiln_original.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Loads into the original; the next call (now, with a sample_input) rebuilds and re-verifies."""
         with self._lock:
-            self.kiln_report.fallbacks.clear()
-            self.kiln_report.active = "pending first call"
-            self._reset()
+            result = self.kiln_original.load_state_dict(state_dict, strict=strict, assign=assign)
+            if self._fn is not None:
+                self._reset(choice=self.kiln_report.active)
         if self._sample is not None:
             self(*self._sample[0], **self._sample[1])
         return result
 
+    def named_parameters(self, *args, **kwargs):
+        return self.kiln_original.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.kiln_original.named_buffers(*args, **kwargs)
+
+    def named_children(self):
+        return self.kiln_original.named_children()
+
+    def named_modules(self, *args, **kwargs):
+        return self.kiln_original.named_modules(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self.kiln_original.parameters(recurse)
+
+    def buffers(self, recurse: bool = True):
+        return self.kiln_original.buffers(recurse)
+
+    def children(self):
+        return self.kiln_original.children()
+
+    def modules(self):
+        return self.kiln_original.modules()
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise RuntimeError("this model was optimized for inference; train() would not train it. For "
+                               "training, optimize the original with optimizer=: tk.optimize(model.kiln_original"
+                               ".train(), optimizer=opt, ...)")
+        return self  # eval(): inference is all it does already
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        self._check_move(device, dtype)
+        return self
+
+    def cuda(self, device=None):
+        idx = device if isinstance(device, int) else (torch.device(device).index if device is not None else None)
+        self._check_move(torch.device("cuda", idx if idx is not None else torch.cuda.current_device()), None)
+        return self
+
+    def cpu(self):
+        self._check_move(torch.device("cpu"), None)
+        return self
+
     def _apply(self, fn, *args, **kwargs):
+        # .half(), .float(), .double(), .bfloat16(), .type(), .xpu(), ...: a no-op when
+        # every tensor of the original would stay the very same object.
+        for t in tensors(self.kiln_original):
+            if fn(t) is not t:
+                self._refuse_move("this conversion")
+        return self
+
+    def _check_move(self, device, dtype) -> None:
+        here = torch.device(self.kiln_recipe.device)
+        if device is not None:
+            device = torch.device(device)
+            same = device.type == here.type and (device.index is None or device.index == (here.index or 0))
+            if not same and device != model_device(self.kiln_original):
+                self._refuse_move(f"moving it to {device}")
+        if dtype is not None and dtype != model_dtype(self.kiln_original):
+            self._refuse_move(f"casting it to {dtype}")
+
+    def _refuse_move(self, what: str):
         raise RuntimeError(
-            f"this model was optimized for {self.kiln_recipe.device}/{self.kiln_recipe.dtype}; moving or "
-            "casting it would invalidate the compiled kernels. Move the original and optimize again: "
+            f"this model was optimized for {self.kiln_recipe.device}/{self.kiln_recipe.dtype}; {what} would "
+            "invalidate the compiled kernels. Move the original and optimize again: "
             "tk.optimize(model.kiln_original.to(...), ...)")
 
     def __getattr__(self, name):
@@ -343,14 +511,28 @@ class KilnModule(nn.Module):
         except AttributeError:
             if name.startswith("kiln_") or name.startswith("_"):
                 raise
-            return getattr(self.kiln_original, name)
+            attr = getattr(self.kiln_original, name)
+            if name == "generate" and callable(attr):
+                return _unoptimized(attr, name)
+            return attr
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"
 
 
+_FAILED = object()  # _rebuild's "no": a full selection follows
+
+
+def _unoptimized(method, name: str):
+    def call(*args, **kwargs):
+        warn_once(f"unopt:{name}", f"torchkiln: {name}() runs the original model's forward, unoptimized (its "
+                  "step-by-step cache calls need the LLM path). Calls of the model itself are optimized.")
+        return method(*args, **kwargs)
+    return call
+
+
 def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=None, inplace: bool = False,
-             optimizer=None, **knobs):
+             optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0, **knobs):
     """Plan and apply the fastest verified recipe for ``model`` on this machine.
 
     Accepts every ``ipex.optimize`` keyword. Returns an ``nn.Module`` (with
@@ -360,22 +542,36 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     t0 = time.perf_counter()
     _validate_model(model)
     if isinstance(model, KilnModule):
-        _warn_once("already", "torchkiln: model is already optimized; returned unchanged. "
-                   "To re-plan, call tk.optimize(model.kiln_original, ...)")
+        warn_once("already", "torchkiln: model is already optimized; returned unchanged. "
+                  "To re-plan, call tk.optimize(model.kiln_original, ...)")
         return (model, optimizer) if optimizer is not None else model
     unknown = set(knobs) - set(KNOBS)
     if unknown:
         raise TypeError(f"optimize() got unknown keyword(s) {sorted(unknown)}; valid knobs: {sorted(KNOBS)}")
     for k in INTEL_ONLY:
         if k in knobs:
-            _warn_once(f"intel:{k}", f"torchkiln: {k} is an Intel-IPEX-only knob with no vendor-neutral "
-                       "meaning; accepted and ignored")
+            warn_once(f"intel:{k}", f"torchkiln: {k} is an Intel-IPEX-only knob with no vendor-neutral "
+                      "meaning; accepted and ignored")
     if optimizer is not None:
-        _warn_once("optimizer", "torchkiln: training optimisation is not implemented yet; model and "
-                   "optimizer are returned unchanged")
+        warn_once("optimizer", "torchkiln: training optimisation is not implemented yet; model and "
+                  "optimizer are returned unchanged")
         return model, optimizer
     if level not in ("O0", "O1", "O2"):
         raise ValueError(f"level={level!r} is not one of 'O0' (nothing), 'O1' (safe default), 'O2' (aggressive)")
+    if verify not in VERIFY:
+        raise ValueError(f"verify={verify!r} is not one of {VERIFY}: 'shapes' checks the first {VERIFIED_SHAPES} "
+                         "input shapes against the original, 'first' only the first call, 'off' none")
+    if candidates not in SCOPES:
+        raise ValueError(f"candidates={candidates!r} is not one of {SCOPES}: 'auto' times torchkiln's recipe "
+                         "against eager and the stock torch.compile recipe, 'torchkiln' only its own")
+    if not isinstance(time_budget, (int, float)) or time_budget < 0:
+        raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
+    training = training_module(model)
+    if training is not None:
+        where = "the model" if training == "" else f"submodule {training!r}"
+        raise ValueError(f"{where} is in training mode and no optimizer was given. For inference call "
+                         "model.eval() before tk.optimize(model, ...); for training pass the optimizer: "
+                         "tk.optimize(model, optimizer=opt, ...)")
     compute = parse_dtype(dtype)
     hw = detect()
     target = _resolve_device(model, device, hw)
@@ -385,12 +581,18 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         _check_sample(model, sample)
     recipe = plan(model, hw, str(target), compute, level, knobs,
                   batch=inputs.batch_size(sample) if sample else None)
-    if recipe.dtype != str(compute).removeprefix("torch."):
-        _warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
+    if recipe.dtype != dtype_name(compute):
+        warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
     report = Report(recipe=recipe.to_dict())
-    kiln = KilnModule(model, recipe, report, sample, inplace)
+    sample_ref = None
+    if inplace and sample is not None and verify != "off":
+        # The untouched model's answer, before the passes change it in place.
+        args, kwargs = inputs.to(sample, model_device(model))
+        with torch.no_grad():
+            sample_ref = model(*args, **kwargs)
+    kiln = KilnModule(model, recipe, report, sample, inplace, verify, candidates, float(time_budget), sample_ref)
     if sample is not None:
-        kiln(*sample[0], **sample[1])  # compile and verify now, not on the user's first request
+        kiln(*sample[0], **sample[1])  # compile, verify and time now, not on the user's first request
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     log.info("%s", report)
     return kiln
@@ -403,12 +605,12 @@ def report(model: nn.Module) -> Report:
     return model.kiln_report
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else repr(e))[:300]
 
 
-def _is_graph_break(e: Exception) -> bool:
+def _is_graph_break(e: BaseException) -> bool:
     unsupported = getattr(getattr(torch, "_dynamo", None), "exc", None)
     return unsupported is not None and isinstance(e, unsupported.Unsupported)
 
@@ -422,7 +624,7 @@ def _validate_model(model) -> None:
 
 
 def _resolve_device(model: nn.Module, device, hw) -> torch.device:
-    target = torch.device(device) if device is not None else _model_device(model)
+    target = torch.device(device) if device is not None else model_device(model)
     if target.type == "cpu":
         return torch.device("cpu")
     if target.index is None:
@@ -438,11 +640,11 @@ def _resolve_device(model: nn.Module, device, hw) -> torch.device:
 
 
 def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
-    dev = _model_device(model)
-    args, kwargs = inputs.to(sample, dev)
+    args, kwargs = inputs.to(sample, model_device(model))
     try:
         with torch.no_grad():
             model(*args, **kwargs)
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
+

@@ -2,6 +2,8 @@
 
 Plans are data so they can be tested, cached, tuned and explained: `print(recipe)`
 reads as the plan, `recipe.to_json()` stores it, `Recipe.from_dict` restores it.
+Passes are held as their registered config dataclasses (passes/registry.py), in
+run order.
 """
 
 from __future__ import annotations
@@ -10,16 +12,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from .passes import registry
+
 LEVELS = ("O0", "O1", "O2")
-PASS_ORDER = (
-    "replace_dropout",
-    "fold_conv_bn",
-    "fold_linear_bn",
-    "concat_linear",
-    "cast_dtype",
-    "channels_last",
-    "onednn_linear",
-)
+ATTENTION = ("sdpa", "auto", "opaque")
 
 
 @dataclass(frozen=True)
@@ -28,28 +24,50 @@ class Recipe:
     level: str = "O1"
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
     dtype_mode: str = "none"  # none | cast (weights + activations) | autocast
-    fp32_modules: tuple[str, ...] = ()  # module classes kept in fp32 under cast
-    passes: tuple[str, ...] = ()  # in PASS_ORDER order
+    passes: tuple = ()  # pass configs (registry), in run order
     memory_format: str = "contiguous"  # contiguous | channels_last
-    gemm: str = "aten"  # aten | onednn (CPU linear path)
-    attention: str = "sdpa"  # sdpa | auto (math form where measured faster, per shape)
+    # sdpa: untouched | auto: math or SDPA per shape, measured (CPU) | opaque: SDPA as an
+    # opaque op, so compiled graphs keep the kernel eager would pick (CUDA, other accelerators)
+    attention: str = "sdpa"
+    drop_all_ones_mask: bool = False  # HF models: an all-ones attention_mask is passed as None
     cudnn_benchmark: bool = False  # let cuDNN time its conv algorithms (during torchkiln's calls only)
     cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
-    tolerance: float = 1e-4  # max relative error vs fp32 eager before falling back
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
 
     def __post_init__(self):
         if self.level not in LEVELS:
             raise ValueError(f"level={self.level!r} is not one of {LEVELS}")
-        unknown = set(self.passes) - set(PASS_ORDER)
-        if unknown:
-            raise ValueError(f"unknown passes {sorted(unknown)}; known: {PASS_ORDER}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION}")
+        for p in self.passes:
+            if not dataclasses.is_dataclass(p) or not hasattr(p, "name"):
+                raise ValueError(f"passes must hold pass configs (registry.make(name, ...)), got {p!r}")
+            registry.lookup(p.name)  # unknown passes fail loudly
+        object.__setattr__(self, "passes", registry.ordered(self.passes))
+
+    @property
+    def pass_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
+    def pass_config(self, name: str):
+        return next((p for p in self.passes if p.name == name), None)
+
+    @property
+    def gemm(self) -> str:
+        return "onednn" if "onednn_linear" in self.pass_names else "aten"
+
+    @property
+    def fp32_modules(self) -> tuple[str, ...]:
+        cast = self.pass_config("cast_dtype")
+        return cast.fp32_modules if cast is not None else ()
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["passes"] = [registry.to_dict(p) for p in self.passes]
         d["compile_options"] = dict(self.compile_options)
+        d["notes"] = list(self.notes)
         return d
 
     def to_json(self) -> str:
@@ -59,20 +77,27 @@ class Recipe:
     def from_dict(cls, d: dict) -> Recipe:
         d = dict(d)
         d["compile_options"] = tuple(sorted(d.get("compile_options", {}).items()))
-        for key in ("fp32_modules", "passes", "notes"):
-            d[key] = tuple(d.get(key, ()))
+        d["passes"] = tuple(registry.from_dict(p) for p in d.get("passes", ()))
+        d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
 
     def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
 
+    def without(self, *names: str) -> Recipe:
+        return self.replace(passes=tuple(p for p in self.passes if p.name not in names))
+
     def __str__(self) -> str:
         lines = [f"Recipe for {self.device} at {self.level}:"]
         lines.append(f"  dtype        {self.dtype} ({self.dtype_mode})")
-        lines.append(f"  passes       {', '.join(self.passes) or '-'}")
+        for i, p in enumerate(self.passes):
+            opts = ", ".join(f"{k}={v}" for k, v in registry.to_dict(p).items() if k not in ("pass", "fp32_modules"))
+            lines.append(f"  {'passes' if i == 0 else '':<12} {p.name}" + (f" ({opts})" if opts else ""))
+        if not self.passes:
+            lines.append("  passes       -")
         lines.append(f"  layout       {self.memory_format}")
         lines.append(f"  gemm         {self.gemm}")
-        lines.append(f"  attention    {self.attention}")
+        lines.append(f"  attention    {self.attention}" + (" (all-ones masks dropped)" if self.drop_all_ones_mask else ""))
         if self.cuda_graphs:
             lines.append("  cuda graphs  on (outputs cloned, calls serialised)")
         if self.compile:
@@ -80,6 +105,5 @@ class Recipe:
             lines.append(f"  compile      inductor {opts or '(defaults)'}")
         else:
             lines.append("  compile      off")
-        lines.append(f"  tolerance    rel err <= {self.tolerance:g}")
         lines += [f"  why: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -1,11 +1,14 @@
-"""The one host-clock timing loop used by plan-time measurements (CPU work only;
-bench.py adds device synchronisation for accelerators)."""
+"""The timing loops behind every measured decision: a host-clock median for
+plan-time CPU micro-measurements, and interleaved rounds (with device
+synchronisation) for choosing among whole-model candidates."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def median_seconds(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
@@ -17,3 +20,34 @@ def median_seconds(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, budget_s: float,
+                min_rounds: int = 3, max_rounds: int = 50, prune: float = 1.5) -> dict[str, list[float]]:
+    """Seconds per call of each function, timed in rounds (one call of each per round)
+    so drift on a noisy machine hits all alike. Runs at least ``min_rounds``, then
+    until ``budget_s`` is spent; after ``min_rounds``, functions slower than
+    ``prune`` x the best median stop being timed (their times so far are kept)."""
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    live = list(fns)
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        if r >= min_rounds and time.perf_counter() - start > budget_s:
+            break
+        for n in live:
+            synchronize(device)
+            t = time.perf_counter()
+            fns[n]()
+            synchronize(device)
+            times[n].append(time.perf_counter() - t)
+        if r + 1 >= min_rounds and len(live) > 1:
+            best = min(statistics.median(times[n]) for n in live)
+            live = [n for n in live if statistics.median(times[n]) <= prune * best]
+    return times

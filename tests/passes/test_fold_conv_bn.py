@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from torchkiln.passes import fold_conv_bn
+from torchkiln.passes.registry import run_pass
 
 
 def _bn(n, dim):
@@ -24,8 +25,8 @@ def test_folds_and_matches_eager(dim, transpose):
     ref = model(x)
     import copy
 
-    folded = fold_conv_bn(copy.deepcopy(model))
-    assert isinstance(folded[1], nn.Identity) and folded._kiln_folded_conv_bn == 1
+    folded, note = run_pass("fold_conv_bn", copy.deepcopy(model))
+    assert isinstance(folded[1], nn.Identity) and note == "1 folded"
     torch.testing.assert_close(folded(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -46,8 +47,8 @@ def test_shared_output_is_not_folded():
     m = Residual().eval()
     x = torch.randn(1, 4, 5, 5)
     ref = m(x)
-    out = fold_conv_bn(m)
-    assert isinstance(out.bn, nn.BatchNorm2d) and out._kiln_folded_conv_bn == 0
+    out, note = run_pass("fold_conv_bn", m)
+    assert isinstance(out.bn, nn.BatchNorm2d) and note == "0 folded"
     torch.testing.assert_close(out(x), ref)
 
 

@@ -3,7 +3,7 @@ import copy
 import torch
 from torch import nn
 
-from torchkiln.passes import fold_linear_bn
+from torchkiln.passes.registry import run_pass
 
 
 def test_folds_and_matches_eager():
@@ -14,8 +14,8 @@ def test_folds_and_matches_eager():
     m = nn.Sequential(nn.Linear(8, 16), bn, nn.ReLU(), nn.Linear(16, 4)).eval()
     x = torch.randn(5, 8)
     ref = m(x)
-    out = fold_linear_bn(copy.deepcopy(m))
-    assert isinstance(out[1], nn.Identity) and out._kiln_folded_linear_bn == 1
+    out, note = run_pass("fold_linear_bn", copy.deepcopy(m))
+    assert isinstance(out[1], nn.Identity) and note == "1 folded"
     torch.testing.assert_close(out(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -35,6 +35,6 @@ def test_bn_over_other_axis_is_not_folded():
         m.bn.running_mean.uniform_(-1, 1)
     x = torch.randn(2, 4, 8)
     ref = m(x)
-    out = fold_linear_bn(m)
-    assert isinstance(out.bn, nn.BatchNorm1d) and out._kiln_folded_linear_bn == 0
+    out, note = run_pass("fold_linear_bn", m)
+    assert isinstance(out.bn, nn.BatchNorm1d) and note == "0 folded"
     torch.testing.assert_close(out(x), ref, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,12 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from torchkiln.passes.sdpa_math import SDPARouter, sdpa_math
+from torchkiln.passes.sdpa_math import SDPARouter, sdpa, sdpa_math
+
+OPS = {"sdpa_math": sdpa_math, "sdpa": sdpa}
 
 
 def qkv(dtype=torch.float32, heads=4, kv_heads=4, L=16, S=16):
@@ -11,8 +15,27 @@ def qkv(dtype=torch.float32, heads=4, kv_heads=4, L=16, S=16):
             torch.randn(2, kv_heads, S, 8, generator=g).to(dtype))
 
 
+def ref_sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention in float64 (a float mask too)."""
+    m = kw.get("attn_mask")
+    if m is not None and m.is_floating_point():
+        kw = {**kw, "attn_mask": m.double()}
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+
+
+def call(op, q, k, v, **kw):
+    return op(q, k, v, kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False))
+
+
+def profiled(fn):
+    with torch.profiler.profile() as prof:
+        out = fn()
+    return out, {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case", ["plain", "causal", "bool_mask", "float_mask", "all_true_mask", "scale", "gqa", "L!=S"])
-def test_matches_sdpa(case):
+def test_matches_sdpa(op, case):
     q, k, v = qkv(kv_heads=2 if case == "gqa" else 4, S=24 if case == "L!=S" else 16)
     kw = {}
     if case == "causal" or case == "L!=S":
@@ -28,59 +51,181 @@ def test_matches_sdpa(case):
         kw["scale"] = 0.3
     if case == "gqa":
         kw["enable_gqa"] = True
-    ref_kw = dict(kw)
-    if case == "float_mask":
-        ref_kw["attn_mask"] = kw["attn_mask"].double()
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **ref_kw)
-    got = sdpa_math(q, k, v, kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False))
+    torch.testing.assert_close(call(OPS[op], q, k, v, **kw).double(), ref_sdpa(q, k, v, **kw), rtol=1e-5, atol=1e-5)
+
+
+def left_padded_mask(L=16, pads=(0, 5)):
+    """A decoder's mask as transformers builds it: causal AND not-padding, padding on the left."""
+    keep_key = torch.stack([torch.arange(L) >= p for p in pads])  # (B, S)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    return causal & keep_key[:, None, None, :], keep_key
+
+
+def fully_masked_cases():
+    bool_mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    bool_mask[1, 0, 3] = False
+    float_mask = torch.randn(2, 1, 16, 16)
+    float_mask[0, 0, 7] = float("-inf")
+    causal_pad, _ = left_padded_mask()
+    return {"bool_row": ({"attn_mask": bool_mask}, [(1, 3)]),
+            "float_row": ({"attn_mask": float_mask}, [(0, 7)]),
+            "left_padded": ({"attn_mask": causal_pad}, [(1, i) for i in range(5)])}
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", ["bool_row", "float_row", "left_padded"])
+def test_fully_masked_rows_give_zeros(op, case):
+    kw, dead = fully_masked_cases()[case]
+    q, k, v = qkv()
+    ref = ref_sdpa(q, k, v, **kw)
+    # torch >= 2.5's safe softmax: a query row with every key masked is 0, not NaN.
+    for b, i in dead:
+        assert (ref[b, :, i] == 0).all()
+    got = call(OPS[op], q, k, v, **kw)
+    assert not got.isnan().any()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_router_routes_only_measured_winners():
+def test_padding_mask_with_is_causal():
+    # is_causal plus a padding-only mask must empty the same rows as the combined
+    # mask (sdpa_math only: F.sdpa on older torch rejects a mask with is_causal).
+    combined, keep_key = left_padded_mask()
+    q, k, v = qkv()
+    got = sdpa_math(q, k, v, keep_key[:, None, None, :], True, None, False)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.double(), ref_sdpa(q, k, v, attn_mask=combined), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_fake_matches_real(op):
+    # Inductor asserts an extern op's real strides against the fake's; SDPA's
+    # output follows q's layout, which is transposed in most models.
+    q = torch.randn(2, 16, 4, 8).transpose(1, 2)
+    kv = q[:, :2].contiguous()
+    mask = torch.rand(2, 1, 16, 16) > 0.5
+    for args in [(q, q, q, None, True, None, False), (q, q, q, mask, False, 0.3, False),
+                 (q, kv, kv, None, False, None, True)]:
+        torch.library.opcheck(OPS[op], args)
+
+
+def test_router_auto_routes_measured_choices():
     q, k, v = qkv()
     r = SDPARouter()
     r.calibrating = True
     with r:
         out = F.scaled_dot_product_attention(q, k, v)
     assert len(r.timings) == 1 and len(r.choices) == 1
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref_sdpa(q, k, v), rtol=1e-5, atol=1e-5)
     key = next(iter(r.choices))
     r.calibrating = False
-    for forced in (True, False):
-        r.choices[key] = forced
-        with torch.profiler.profile() as prof, r:
-            F.scaled_dot_product_attention(q, k, v)
-        names = {e.key for e in prof.key_averages()}
-        assert ("torchkiln::sdpa_math" in names) == forced
-    # An uncalibrated shape keeps SDPA even when routing is on.
+    for use_math, ran in ((True, "torchkiln::sdpa_math"), (False, "torchkiln::sdpa")):
+        r.choices[key] = use_math
+        with r:
+            out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v))
+        assert ran in names and {"torchkiln::sdpa_math", "torchkiln::sdpa"} - {ran} - names
+        torch.testing.assert_close(out.double(), ref_sdpa(q, k, v), rtol=1e-5, atol=1e-5)
+        assert f"auto: math attention for {int(use_math)}/1 shapes" in r.summary()
+    # An uncalibrated shape keeps plain SDPA.
     q2, k2, v2 = qkv(L=32, S=32)
-    with torch.profiler.profile() as prof, r:
-        F.scaled_dot_product_attention(q2, k2, v2)
-    assert "torchkiln::sdpa_math" not in {e.key for e in prof.key_averages()}
+    with r:
+        _, names = profiled(lambda: F.scaled_dot_product_attention(q2, k2, v2))
+    assert not {"torchkiln::sdpa_math", "torchkiln::sdpa"} & names
 
 
-def test_dropout_is_never_rerouted():
+def test_router_opaque_routes_everything_unmeasured():
+    q, k, v = qkv(kv_heads=2)
+    mask = torch.rand(2, 1, 16, 16) > 0.3
+    r = SDPARouter(mode="opaque")
+    r.calibrating = True
+    with r:
+        out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v, mask, scale=0.3, enable_gqa=True))
+    assert "torchkiln::sdpa" in names and "torchkiln::sdpa_math" not in names
+    assert r.timings == {} and r.choices == {}
+    assert r.summary().startswith("opaque")
+    torch.testing.assert_close(out.double(), ref_sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_router_rejects_unknown_mode():
+    with pytest.raises(ValueError):
+        SDPARouter(mode="fast")
+
+
+@pytest.mark.parametrize("mode", ["auto", "opaque"])
+def test_dropout_and_grad_are_never_rerouted(mode):
     q, k, v = qkv()
-    r = SDPARouter()
+    r = SDPARouter(mode)
     r.calibrating = True
     with r:
-        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        _, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
+        q.requires_grad_()
+        _, names_grad = profiled(lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
     assert r.choices == {}
+    assert not any(n.startswith("torchkiln::") for n in names | names_grad)
+    assert q.grad is not None
 
 
-def test_traced_by_compile():
-    q, k, v = qkv(torch.bfloat16)
-    r = SDPARouter()
-    r.calibrating = True
-    with r:
-        F.scaled_dot_product_attention(q, k, v)
-    r.calibrating = False
-    r.choices = dict.fromkeys(r.choices, True)
+def test_autocast_dtype_kept_when_compiled():
+    # Compiled, autocast cannot reach into the opaque op: the router casts for it.
+    q, k, v = qkv()
 
     def f(q, k, v):
-        with r:
-            return F.scaled_dot_product_attention(q, k, v) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, v)
 
-    out = torch.compile(f, fullgraph=True)(q, k, v)
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double()) * 2
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    eager = f(q, k, v)
+    with SDPARouter(mode="opaque"):
+        out = torch.compile(f, fullgraph=True)(q, k, v)
+    assert out.dtype == eager.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("use_math", [True, False, None])
+def test_traced_by_compile(use_math):
+    """fullgraph through the mode, whether entered inside the compiled function
+    or around it (as the runner does), with a traced mask."""
+    q, k, v = qkv()
+    mask, _ = left_padded_mask()
+    r = SDPARouter() if use_math is not None else SDPARouter(mode="opaque")
+    if use_math is not None:
+        r.calibrating = True
+        with r:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        r.calibrating = False
+        r.choices = dict.fromkeys(r.choices, use_math)
+    ran = "torchkiln::sdpa_math" if use_math else "torchkiln::sdpa"
+    ref = ref_sdpa(q, k, v, attn_mask=mask) * 2
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+    def f_inside(q, k, v, mask):
+        with r:
+            return f(q, k, v, mask)
+
+    for compiled, outer in ((torch.compile(f_inside, fullgraph=True), None),
+                            (torch.compile(f, fullgraph=True), r)):
+        with outer or contextlib.nullcontext():
+            out, names = profiled(lambda compiled=compiled: compiled(q, k, v, mask))
+        assert ran in names
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_bert_opaque_under_compile():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, attn_implementation="sdpa")
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        compiled = torch.compile(model, fullgraph=False)
+        with SDPARouter(mode="opaque"):
+            compiled(input_ids=ids, attention_mask=mask)
+            out, names = profiled(lambda: compiled(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert "torchkiln::sdpa" in names
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-6)

@@ -5,8 +5,14 @@ neighbouring kernels, so the islands cost almost nothing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
+
+from .registry import register
+from .tensors import floating, remake
 
 # Module classes (by name, so transformers' own norms match without importing it)
 # that stay fp32. Mirrors autocast's fp32 list at module granularity.
@@ -36,7 +42,9 @@ class Fp32Island(nn.Module):
 
     def __init__(self, module: nn.Module, out_dtype: torch.dtype):
         super().__init__()
-        self.module = module.float()
+        # New fp32 tensors: module.float() would rewrite param.data in place, and the
+        # parameters may be shared with the caller's (half-precision) model.
+        self.module = remake(module, floating(lambda t: t.float()))
         self.out_dtype = out_dtype
 
     def forward(self, *args, **kwargs):
@@ -63,9 +71,19 @@ def _wrap(module: nn.Module, dtype, patterns) -> None:
         else:
             _wrap(child, dtype, patterns)
     # Cast only this module's own tensors: islands keep theirs.
-    for key, p in module._parameters.items():
-        if p is not None and p.is_floating_point():
-            module._parameters[key] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
-    for key, b in module._buffers.items():
-        if b is not None and b.is_floating_point():
-            module._buffers[key] = b.to(dtype)
+    remake(module, floating(lambda t: t.to(dtype)), recurse=False)
+
+
+@dataclass(frozen=True)
+class CastDtypeConfig:
+    name: ClassVar[str] = "cast_dtype"
+    dtype: str = "bfloat16"
+    fp32_modules: tuple[str, ...] = DEFAULT_FP32_MODULES  # class names (``*Suffix`` matches a suffix)
+
+
+@register(CastDtypeConfig, order=50)
+def _apply(model, config, ctx):
+    dtype = getattr(torch, config.dtype)
+    model = cast_dtype(model, dtype, config.fp32_modules)
+    islands = sum(isinstance(m, Fp32Island) for m in model.modules())
+    return model, f"{config.dtype}, {islands} modules kept fp32"

@@ -4,8 +4,14 @@ reorder on every call. Inputs are converted by the runner."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
+
+from .registry import register
+from .tensors import remake
 
 
 def memory_format_for(model: nn.Module) -> torch.memory_format | None:
@@ -24,10 +30,21 @@ def channels_last(model: nn.Module) -> nn.Module:
     fmt = memory_format_for(model)
     if fmt is None:
         return model
-    for mod in model.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is not None and p.dim() in (4, 5):
-                f = torch.channels_last if p.dim() == 4 else torch.channels_last_3d
-                mod._parameters[key] = nn.Parameter(p.detach().contiguous(memory_format=f),
-                                                    requires_grad=p.requires_grad)
-    return model
+
+    def nhwc(t):
+        if t.dim() not in (4, 5):
+            return t
+        return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+    return remake(model, nhwc)
+
+
+@dataclass(frozen=True)
+class ChannelsLastConfig:
+    name: ClassVar[str] = "channels_last"
+
+
+@register(ChannelsLastConfig, order=60)
+def _apply(model, config, ctx):
+    fmt = memory_format_for(model)
+    return channels_last(model), str(fmt).removeprefix("torch.") if fmt else "no convolutions"

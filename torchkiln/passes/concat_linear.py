@@ -13,9 +13,13 @@ default and does not see linears routed to oneDNN, hence this pass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 
+from .registry import Skip, register
 from .sample_run import run_with_linear_hooks
 
 
@@ -77,3 +81,17 @@ def concat_linear(model: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
             setattr(parent, k, ConcatSlice(group, start, start + lin.out_features, owner=i == 0))
             start += lin.out_features
     return model
+
+
+@dataclass(frozen=True)
+class ConcatLinearConfig:
+    name: ClassVar[str] = "concat_linear"
+
+
+@register(ConcatLinearConfig, order=40)
+def _apply(model, config, ctx):
+    if ctx.sample is None:
+        raise Skip("needs sample_input to see which linears share an input")
+    groups = find_groups(model, *ctx.sample)
+    concat_linear(model, *ctx.sample)
+    return model, f"{len(groups)} groups ({sum(len(k) for _, k in groups)} linears)"

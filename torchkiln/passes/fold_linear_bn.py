@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from torch import nn
 from torch.nn.utils.fusion import fuse_linear_bn_eval
 
 from .fold_bn import fold
+from .registry import register
 
 
 def _fuse(linear, bn):
@@ -16,6 +20,15 @@ def _fuse(linear, bn):
 
 
 def fold_linear_bn(model: nn.Module) -> nn.Module:
+    return fold(model.eval(), (nn.Linear,), (nn.BatchNorm1d,), _fuse)[0]
+
+
+@dataclass(frozen=True)
+class FoldLinearBNConfig:
+    name: ClassVar[str] = "fold_linear_bn"
+
+
+@register(FoldLinearBNConfig, order=30)
+def _apply(model, config, ctx):
     model, n = fold(model.eval(), (nn.Linear,), (nn.BatchNorm1d,), _fuse)
-    model._kiln_folded_linear_bn = n
-    return model
+    return model, f"{n} folded"

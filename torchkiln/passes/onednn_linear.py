@@ -12,11 +12,14 @@ measurement on this machine shows it faster.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..timing import median_seconds
+from .registry import register
 from .sample_run import run_with_linear_hooks
 
 log = logging.getLogger(__name__)
@@ -87,3 +90,23 @@ def measure(dtype: torch.dtype, m: int, k: int, n: int, iters: int = 10) -> dict
     }
     with torch.no_grad():
         return {name: round(2 * m * k * n / median_seconds(fn, iters=iters) / 1e9, 1) for name, fn in paths.items()}
+
+
+@dataclass(frozen=True)
+class OneDNNLinearConfig:
+    """The measurement behind the choice travels with it: GEMM shape (m, k, n) and
+    GFLOP/s of each path on this machine (empty when forced by a knob)."""
+
+    name: ClassVar[str] = "onednn_linear"
+    shape: tuple[int, ...] = ()
+    aten_gflops: float | None = None
+    onednn_gflops: float | None = None
+
+
+@register(OneDNNLinearConfig, order=70)
+def _apply(model, config, ctx):
+    rows = input_rows(model, *ctx.sample) if ctx.sample is not None else None
+    before = sum(isinstance(m, OneDNNLinear) for m in model.modules())
+    model = onednn_linear(model, rows)
+    n = sum(isinstance(m, OneDNNLinear) for m in model.modules()) - before
+    return model, f"{n} linears" + (", packed for the sample's rows" if rows else "")

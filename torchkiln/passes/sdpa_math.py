@@ -1,5 +1,5 @@
-"""Route F.scaled_dot_product_attention to the plain math form where that is
-measured faster on this machine, for the shapes this model uses.
+"""Route F.scaled_dot_product_attention through opaque custom ops: the plain
+math form where that is measured faster on this machine, or SDPA itself.
 
 Why hand-written: on CPU, torch's flash-attention kernel parallelises over
 batch x heads only; at short sequences (bert-base, batch 1, seq 128: 12 work
@@ -10,11 +10,19 @@ inductor lowers SDPA straight to the flash kernel. So a TorchFunctionMode, enter
 by the runner (no global patching), swaps SDPA calls for an opaque custom op;
 dynamo traces the mode, inductor calls the op as an extern kernel.
 
-Choices are made per (q/k/v shapes, dtype, causal, gqa) key by timing both forms on
-the real inputs of a calibration call; a shape never calibrated keeps SDPA. The
-mask is not part of the key: it adds about as much to either form (a few
-percent of SDPA's time in an ad-hoc check), and models such as transformers'
-drop an all-ones mask in eager but keep it while being traced.
+The other op, ``torchkiln::sdpa``, is SDPA behind a wall: given an attention
+mask that is a traced value (transformers keeps it while being traced),
+inductor decomposes SDPA into a math/safe-softmax kernel of its own and loses
+the flash/cuDNN/efficient kernels eager would pick. Opaque, the call keeps
+eager's kernel selection inside a compiled graph.
+
+Modes: "auto" (CPU) chooses per (q/k/v shapes, dtype, causal, gqa) key by
+timing both forms on the real inputs of a calibration call; a shape never
+calibrated keeps plain SDPA. The mask is not part of the key: it adds about as
+much to either form (a few percent of SDPA's time in an ad-hoc check), and
+models such as transformers' drop an all-ones mask in eager but keep it while
+being traced. "opaque" (accelerators) sends every dropout-free call to
+``torchkiln::sdpa``, unmeasured.
 """
 
 from __future__ import annotations
@@ -35,25 +43,56 @@ def sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
     # Opaque to the compiler, so it may look at data: an all-pass mask (which
-    # traced models keep) costs a full pass over the scores for nothing.
-    if attn_mask is not None and bool(attn_mask.all() if attn_mask.dtype == torch.bool else not attn_mask.any()):
+    # traced models keep) costs a full pass over the scores for nothing. Not on
+    # accelerators: the check is a host sync, and breaks CUDA-graph capture.
+    if (attn_mask is not None and q.device.type == "cpu"
+            and bool(attn_mask.all() if attn_mask.dtype == torch.bool else not attn_mask.any())):
         attn_mask = None
     # Scaling q (L x E) is cheaper than scaling the scores (L x S), and gives a
     # contiguous operand for the batched GEMM.
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
     s = torch.matmul(q, k.transpose(-2, -1))
-    if is_causal:
-        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril() if is_causal else None
+    if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
+    dead = None
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        # SDPA (torch >= 2.5) gives 0, not NaN, for a query row with every key
+        # masked out, as left-padded decoder batches have. Found on the mask,
+        # which is broadcast over heads: much less work than a pass over the
+        # scores. Causal alone never empties a row (column 0 always stays).
+        live = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        dead = ~(live if keep is None else live & keep).any(-1, keepdim=True)
     # torch's CPU/CUDA softmax accumulates low-precision inputs in fp32 already.
-    return torch.matmul(torch.softmax(s, -1), v)
+    out = torch.matmul(torch.softmax(s, -1), v)
+    return out if dead is None else out.masked_fill(dead, 0.0)
 
 
 @sdpa_math.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    # The aten op is what F.scaled_dot_product_attention dispatches to; called
+    # directly, it is not caught again by a router still entered around the
+    # compiled model. enable_gqa only when set: older torch lacks the argument.
+    gqa = {"enable_gqa": True} if enable_gqa else {}
+    return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, scale=scale, **gqa)
+
+
+@torch.library.custom_op("torchkiln::sdpa", mutates_args=())
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+         is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    return _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+@sdpa.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    # SDPA's output strides follow q's layout and the kernel chosen, and inductor
+    # asserts an extern op's real strides against the fake's: let torch say.
+    return _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
 def _unpack(args, kwargs):
@@ -63,9 +102,21 @@ def _unpack(args, kwargs):
     return bound
 
 
+def _autocast(b):
+    # Autocast runs SDPA in its low precision, but once compiled it cannot see
+    # into an opaque op, which would then run in fp32: cast as autocast would.
+    dev = b["query"].device.type
+    if not torch.is_autocast_enabled(dev):
+        return b
+    dt = torch.get_autocast_dtype(dev)
+    cast = {n: b[n].to(dt) for n in ("query", "key", "value", "attn_mask")
+            if b[n] is not None and b[n].is_floating_point() and b[n].dtype != torch.float64}
+    return {**b, **cast}
+
+
 def _key(b) -> tuple | None:
     q, k, v = b["query"], b["key"], b["value"]
-    if b["dropout_p"] or q.device.type != "cpu":
+    if q.device.type != "cpu":
         return None
     try:
         shapes = tuple(tuple(int(d) for d in t.shape) for t in (q, k, v))
@@ -75,11 +126,15 @@ def _key(b) -> tuple | None:
 
 
 class SDPARouter(TorchFunctionMode):
-    """Enter around a model call. ``calibrating=True`` measures unseen shapes on real inputs."""
+    """Enter around a model call. mode="auto": ``calibrating=True`` measures unseen
+    shapes on real inputs (CPU); mode="opaque": every call goes to torchkiln::sdpa."""
 
-    def __init__(self):
+    def __init__(self, mode: str = "auto"):
         super().__init__()
-        self.choices: dict[tuple, bool] = {}  # key -> use math
+        if mode not in ("auto", "opaque"):
+            raise ValueError(f"SDPARouter mode must be 'auto' or 'opaque', not {mode!r}")
+        self.mode = mode
+        self.choices: dict[tuple, bool] = {}  # key -> use math (else torchkiln::sdpa)
         self.timings: dict[tuple, tuple[float, float]] = {}
         self.calibrating = False
 
@@ -88,25 +143,40 @@ class SDPARouter(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         b = _unpack(args, kwargs)
+        tensors = [b[n] for n in ("query", "key", "value", "attn_mask") if b[n] is not None]
+        # The ops have no backward.
+        if b["dropout_p"] or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return func(*args, **kwargs)
+        b = _autocast(b)
+        op = self._route(b)
+        if op is None:
+            return func(*args, **kwargs)
+        return op(b["query"], b["key"], b["value"], b["attn_mask"], bool(b["is_causal"]), b["scale"],
+                  bool(b["enable_gqa"]))
+
+    def _route(self, b):
+        if self.mode == "opaque":
+            return torch.ops.torchkiln.sdpa
         key = _key(b)
         if key is not None and self.calibrating and key not in self.choices:
             self._measure(key, b)
-        if key is not None and self.choices.get(key):
-            return torch.ops.torchkiln.sdpa_math(b["query"], b["key"], b["value"], b["attn_mask"],
-                                                b["is_causal"], b["scale"], b["enable_gqa"])
-        return func(*args, **kwargs)
+        use_math = self.choices.get(key)
+        if use_math is None:
+            return None
+        return torch.ops.torchkiln.sdpa_math if use_math else torch.ops.torchkiln.sdpa
 
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
         with torch.no_grad():
-            t_sdpa = median_seconds(lambda: F.scaled_dot_product_attention(
-                q, k, v, attn_mask=m, is_causal=b["is_causal"], scale=b["scale"],
-                **({"enable_gqa": True} if b["enable_gqa"] else {})))
+            t_sdpa = median_seconds(lambda: sdpa(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
             t_math = median_seconds(lambda: sdpa_math(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
         self.timings[key] = (t_sdpa, t_math)
         self.choices[key] = t_math < 0.9 * t_sdpa  # a clear win only
 
     def summary(self) -> str:
+        if self.mode == "opaque":
+            return "opaque: every dropout-free SDPA call runs as torchkiln::sdpa"
         used = sum(self.choices.values())
         parts = [f"{1e6 * s:.0f} vs {1e6 * m:.0f} us" for s, m in self.timings.values()]
-        return f"math attention for {used}/{len(self.choices)} shapes (sdpa vs math: {', '.join(parts)})"
+        return (f"auto: math attention for {used}/{len(self.choices)} shapes, torchkiln::sdpa for "
+                f"{len(self.choices) - used} (sdpa vs math: {', '.join(parts)})")

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from ..hardware import Hardware
-from ..recipe import PASS_ORDER, Recipe
+from ..passes import registry
+from ..recipe import Recipe
 from . import cpu, cuda, generic
 
-# ipex.optimize keyword -> the recipe pass it switches (None: handled specially).
+# ipex.optimize keyword -> the registered pass it switches.
 KNOB_PASSES = {
     "conv_bn_folding": "fold_conv_bn",
     "linear_bn_folding": "fold_linear_bn",
@@ -23,7 +24,6 @@ KNOBS = (*KNOB_PASSES, "graph_mode", "auto_kernel_selection", "optimize_lstm",
 # Knobs with no vendor-neutral meaning: accepted, warned about once, ignored.
 INTEL_ONLY = ("optimize_lstm", "split_master_weight_for_bf16", "fuse_update_step")
 
-TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 _FAMILIES = {"cpu": cpu, "cuda": cuda}
 
 
@@ -40,19 +40,20 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
         notes.append(why)
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     if level == "O0":
-        passes = {"cast_dtype"} if dtype != torch.float32 else set()
+        low = dtype != torch.float32
+        passes = (registry.make("cast_dtype", dtype=_name(dtype)),) if low else ()
         # notes[0] stays the dtype reason (optimize() warns with it); O0's note follows.
-        recipe = Recipe(device=device, level=level, dtype=_name(dtype), compile=False,
-                        dtype_mode="cast" if passes else "none", tolerance=TOLERANCE[dtype],
+        recipe = Recipe(device=device, level=level, dtype=_name(dtype), compile=False, passes=passes,
+                        dtype_mode="cast" if low else "none",
                         notes=(*notes, "O0: no optimisation beyond the requested dtype"))
         return _apply_knobs(recipe, knobs)
     recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes)
-    recipe = recipe.replace(tolerance=TOLERANCE[dtype], dtype=_name(dtype), level=level)
+    recipe = recipe.replace(dtype=_name(dtype), level=level)
     return _apply_knobs(recipe, knobs)
 
 
 def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
-    passes = set(recipe.passes)
+    passes = {p.name: p for p in recipe.passes}
     notes = list(recipe.notes)
     changes: dict = {}
     for knob, pass_name in KNOB_PASSES.items():
@@ -60,31 +61,34 @@ def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
         if val is None:
             continue
         if val:
-            passes.add(pass_name)
+            passes.setdefault(pass_name, registry.make(pass_name))
             notes.append(f"{knob}=True: {pass_name} forced on")
         else:
-            passes.discard(pass_name)
+            passes.pop(pass_name, None)
             notes.append(f"{knob}=False: {pass_name} off")
     if knobs.get("auto_kernel_selection") is False:
-        passes.discard("onednn_linear")
+        passes.pop("onednn_linear", None)
         notes.append("auto_kernel_selection=False: stock aten GEMM path")
     if "onednn_linear" in passes and recipe.device != "cpu":
-        passes.discard("onednn_linear")
+        passes.pop("onednn_linear")
         notes.append("weights_prepack ignored: oneDNN prepacking applies to CPU only")
     if knobs.get("graph_mode") is not None:
         changes["compile"] = bool(knobs["graph_mode"])
+    opts = dict(recipe.compile_options)
     if knobs.get("compile_options"):
-        opts = dict(recipe.compile_options)
         opts.update(knobs["compile_options"])
-        changes["compile_options"] = tuple(sorted(opts.items()))
         changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs"))
+    if "onednn_linear" in passes and opts.get("cpp_wrapper"):
+        # inductor's cpp_wrapper asserts oneDNN weights are graph constants; the packed
+        # buffers of onednn_linear are not (InductorError on torch 2.13): never both.
+        opts.pop("cpp_wrapper")
+        notes.append("cpp_wrapper off: it cannot run oneDNN-prepacked linears")
+    changes["compile_options"] = tuple(sorted(opts.items()))
     if knobs.get("autocast") and recipe.dtype != "float32":
-        passes.discard("cast_dtype")
-        changes.update(dtype_mode="autocast", fp32_modules=())
+        passes.pop("cast_dtype", None)
+        changes["dtype_mode"] = "autocast"
         notes.append("autocast=True: low precision via autocast, weights stay fp32")
-    ordered = tuple(p for p in PASS_ORDER if p in passes)
-    gemm = "onednn" if "onednn_linear" in ordered else "aten"
-    return recipe.replace(passes=ordered, gemm=gemm, notes=tuple(notes), **changes)
+    return recipe.replace(passes=tuple(passes.values()), notes=tuple(notes), **changes)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from ..hardware import Hardware
+from ..passes import registry
 from ..passes.onednn_linear import available as onednn_available
 from ..passes.onednn_linear import measure as onednn_measure
 from ..recipe import Recipe
-from .common import base_passes
+from .common import base_passes, is_hf
 
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
@@ -61,10 +62,11 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
             notes.append(f"GEMM {str(dtype)[6:]} {m}x{shape[0]}x{shape[1]} measured: aten {rates['aten']} "
                          f"vs oneDNN {rates['onednn']} GFLOP/s -> {gemm}")
         if gemm == "onednn":
-            passes.add("onednn_linear")
+            passes.append(registry.make("onednn_linear", shape=(m, *shape), aten_gflops=rates["aten"],
+                                        onednn_gflops=rates["onednn"]))
     options = {"freezing": True}
     if level == "O2":
-        passes.add("concat_linear")
+        passes.append(registry.make("concat_linear"))
         notes.append("O2: concat sibling linears")
         if gemm != "onednn":
             # inductor's cpp_wrapper asserts oneDNN weights are graph constants; our
@@ -74,11 +76,5 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     # SDPA's CPU flash kernel parallelises over batch x heads only; at short
     # sequences plain math is often faster. Decided per shape by measurement.
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
-                  fp32_modules=_fp32_modules(dtype), passes=tuple(passes), memory_format=fmt,
-                  gemm=gemm, attention="auto", compile=True, compile_options=tuple(sorted(options.items())), notes=tuple(notes))
-
-
-def _fp32_modules(dtype):
-    from ..passes.cast_dtype import DEFAULT_FP32_MODULES
-
-    return DEFAULT_FP32_MODULES if dtype != torch.float32 else ()
+                  passes=tuple(passes), memory_format=fmt, attention="auto", drop_all_ones_mask=is_hf(model),
+                  compile=True, compile_options=tuple(sorted(options.items())), notes=tuple(notes))

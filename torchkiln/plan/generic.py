@@ -22,5 +22,5 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     notes.append(f"{dev_type}: generic recipe (no device-specific tuning yet)")
     # MPS inductor support is young; compile is tried and falls back if it fails.
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
-                  fp32_modules=(), passes=tuple(passes), memory_format=fmt, compile=True,
+                  passes=tuple(passes), memory_format=fmt, compile=True,
                   compile_options=(("freezing", True),), notes=tuple(notes))

@@ -1,0 +1,162 @@
+"""CPU planner: native-bf16 gating, measured oneDNN vs aten GEMM, inductor options."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from torchkiln.passes.cast_dtype import DEFAULT_FP32_MODULES
+from torchkiln.plan import plan
+
+from .fakes import ARM_BF16, BF16, FP32, X86_BF16, X86_NO_BF16, cnn, cpu_info, machine, mlp
+
+BF16_CPUS = pytest.mark.parametrize("hw", [X86_BF16, ARM_BF16], ids=["x86-avx512bf16", "arm-bf16"])
+LEVEL = pytest.mark.parametrize("level", ["O1", "O2"])
+
+
+def linears() -> nn.Module:
+    """Most common large shape: 48x48 (twice), so the typical GEMM is unambiguous."""
+    return nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 48),
+                         nn.ReLU(), nn.Linear(48, 16)).eval()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_bf16_without_native_support_stays_fp32(level):
+    recipe = plan(mlp(), X86_NO_BF16, "cpu", BF16, level, {}, None)
+    assert recipe.dtype == "float32" and recipe.dtype_mode == "none"
+    assert "cast_dtype" not in recipe.pass_names
+    assert "no native bf16" in recipe.notes[0]
+
+
+@BF16_CPUS
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_bf16_on_native_cpu_casts_with_fp32_islands(hw, level):
+    recipe = plan(mlp(), hw, "cpu", BF16, level, {}, None)
+    assert recipe.dtype == "bfloat16" and recipe.dtype_mode == "cast"
+    cast = recipe.pass_config("cast_dtype")
+    assert cast is not None and cast.dtype == "bfloat16"
+    assert recipe.fp32_modules == DEFAULT_FP32_MODULES and "LayerNorm" in recipe.fp32_modules
+    assert not any("no native bf16" in n for n in recipe.notes)
+
+
+@pytest.mark.parametrize("features", [("avx2",), ("avx512_bf16",), ("amx_bf16",), ("bf16",)])
+def test_bf16_native_features(features):
+    hw = machine(cpu_info(features=features))
+    expect = "float32" if features == ("avx2",) else "bfloat16"
+    assert plan(mlp(), hw, "cpu", BF16, "O1", {}, None).dtype == expect
+
+
+@pytest.mark.parametrize("features,expect", [(("avx512_bf16",), "float32"), (("avx512_fp16",), "float16"),
+                                             (("amx_fp16",), "float16"), (("neon_fp16",), "float16")])
+def test_fp16_needs_native_fp16(features, expect):
+    recipe = plan(mlp(), machine(cpu_info(features=features)), "cpu", torch.float16, "O1", {}, None)
+    assert recipe.dtype == expect
+    if expect == "float32":
+        assert "float16 requested" in recipe.notes[0]
+    else:
+        assert recipe.pass_config("cast_dtype").dtype == "float16"
+
+
+@LEVEL
+def test_cpu_attention_auto_no_gpu_flags(level):
+    recipe = plan(cnn(), X86_BF16, "cpu", FP32, level, {}, batch=8)
+    assert recipe.attention == "auto"
+    assert recipe.cuda_graphs is False and recipe.cudnn_benchmark is False
+    assert "triton.cudagraphs" not in dict(recipe.compile_options)
+    assert "max_autotune" not in dict(recipe.compile_options)
+
+
+@LEVEL
+def test_onednn_measured_faster_adds_onednn_linear_with_its_numbers(gemm, level):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, level, {}, None)
+    assert gemm.calls == [(FP32, 128, 48, 48)]
+    assert recipe.gemm == "onednn"
+    cfg = recipe.pass_config("onednn_linear")
+    assert cfg.shape == (128, 48, 48)
+    assert (cfg.aten_gflops, cfg.onednn_gflops) == (200.0, 500.0)
+    assert any("measured" in n and "-> onednn" in n for n in recipe.notes)
+
+
+@LEVEL
+def test_aten_measured_faster_no_onednn_linear(gemm, level):
+    gemm.answer = "aten"
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, level, {}, None)
+    assert len(gemm.calls) == 1
+    assert recipe.gemm == "aten" and "onednn_linear" not in recipe.pass_names
+    assert any("-> aten" in n for n in recipe.notes)
+
+
+def test_onednn_unavailable_means_aten_and_no_numbers(monkeypatch):
+    from torchkiln.plan import cpu as cpu_plan
+
+    monkeypatch.setattr(cpu_plan, "gemm_choice", lambda dtype, m, k, n: ("aten", {}))
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, "O1", {}, None)
+    assert recipe.gemm == "aten"
+    assert not any("measured" in n for n in recipe.notes)
+
+
+@pytest.mark.parametrize("batch,m", [(None, 128), (1, 16), (16, 16), (64, 64), (100_000, 4096)])
+def test_gemm_measured_at_the_batch_size_clamped(gemm, batch, m):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, "O1", {}, batch)
+    assert gemm.calls == [(FP32, m, 48, 48)]
+    assert recipe.pass_config("onednn_linear").shape == (m, 48, 48)
+
+
+@BF16_CPUS
+def test_low_precision_leaves_gemm_to_inductor_no_measurement(gemm, hw):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), hw, "cpu", BF16, "O1", {}, None)
+    assert gemm.calls == []
+    assert "onednn_linear" not in recipe.pass_names
+    assert any("inductor freezing" in n for n in recipe.notes)
+
+
+def test_no_linear_no_measurement(gemm):
+    gemm.answer = "onednn"
+    convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).eval()
+    recipe = plan(convs, X86_NO_BF16, "cpu", FP32, "O1", {}, None)
+    assert gemm.calls == [] and "onednn_linear" not in recipe.pass_names
+
+
+def test_conv_net_note_and_layout():
+    recipe = plan(cnn(), X86_BF16, "cpu", BF16, "O1", {}, None)
+    assert recipe.pass_names[-2:] == ("cast_dtype", "channels_last")
+    assert recipe.memory_format == "channels_last"
+    assert any("channels_last" in n for n in recipe.notes)
+
+
+def test_O1_no_concat_no_cpp_wrapper(gemm):
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, "O1", {}, None)
+    assert "concat_linear" not in recipe.pass_names
+    assert dict(recipe.compile_options) == {"freezing": True}
+
+
+@pytest.mark.parametrize("hw,dtype", [(X86_NO_BF16, FP32), (X86_BF16, BF16), (ARM_BF16, BF16)],
+                         ids=["fp32", "x86-bf16", "arm-bf16"])
+def test_O2_aten_gemm_concat_and_cpp_wrapper(gemm, hw, dtype):
+    gemm.answer = "aten"
+    recipe = plan(linears(), hw, "cpu", dtype, "O2", {}, None)
+    assert "concat_linear" in recipe.pass_names
+    assert dict(recipe.compile_options) == {"freezing": True, "cpp_wrapper": True}
+
+
+def test_O2_onednn_gemm_has_no_cpp_wrapper(gemm):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, "O2", {}, None)
+    assert "onednn_linear" in recipe.pass_names and "concat_linear" in recipe.pass_names
+    assert "cpp_wrapper" not in dict(recipe.compile_options)
+
+
+def test_detected_machine_with_bf16_added_is_planned_bf16():
+    """dataclasses.replace on a real detect() result, the way optimize() tests fake a CPU."""
+    import torchkiln
+
+    hw = torchkiln.detect()
+    with_bf16 = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, features=(*hw.cpu.features, "avx512_bf16")))
+    without = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, features=tuple(
+        f for f in hw.cpu.features if f not in ("avx512_bf16", "amx_bf16", "bf16"))))
+    assert plan(mlp(), with_bf16, "cpu", BF16, "O1", {}, None).dtype == "bfloat16"
+    assert plan(mlp(), without, "cpu", BF16, "O1", {}, None).dtype == "float32"

@@ -1,0 +1,183 @@
+"""Candidates: the ways optimize() can serve a model, built lazily, verified
+against the original and timed against each other.
+
+    tier 0 (the requested precision):
+      the model as given, eager      "eager" (fp32) | "eager bf16-cast", "eager bf16-autocast"
+      the stock recipe               torch.compile (+freezing on CPU; default and
+                                     reduce-overhead on CUDA), as stock.py builds it
+      torchkiln's recipe             compiled (with and without CUDA graphs on CUDA),
+                                     and its eager passes
+    tier 1 (only if nothing in tier 0 passes the guard):
+      torchkiln's recipe at float32, compiled and eager
+    last: the original model (never verified: it is the reference)
+
+This is the seed of the autotuner: candidates and their measurements are data
+(report.candidates), so a tuner can add candidates and reuse measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import inputs, stock
+from .modelutil import DTYPES, dtype_name, has_conv, model_device, model_dtype
+from .passes.compile import compile_model
+from .recipe import Recipe
+from .report import Fallback
+from .runner import Runner, build_fast
+
+
+@dataclass
+class Candidate:
+    name: str
+    kind: str  # torchkiln | stock | eager | original
+    dtype: str
+    make: Callable[[], Callable]  # builds the callable; compilation happens at its first call
+    tier: int = 0
+    cuda_graphs: bool = False  # outputs live in a graph pool: serve copies, one call at a time
+    applied: list[str] = field(default_factory=list)  # passes that ran (torchkiln candidates)
+    graph_breaks: Callable[[], Candidate] | None = None  # the same, compiled allowing graph breaks
+    serve: bool = True  # False: run only to measure the plain cast's error (the guard's baseline)
+
+
+class KilnBuild:
+    """One torchkiln recipe applied once, shared by its eager and compiled candidates."""
+
+    def __init__(self, original: nn.Module, recipe: Recipe, sample, inplace: bool, fallbacks: list[Fallback]):
+        self.original, self.recipe, self.sample, self.inplace = original, recipe, sample, inplace
+        self.fallbacks = fallbacks
+        self.applied: list[str] = []
+        self._runner: Runner | None = None
+
+    def runner(self) -> Runner:
+        if self._runner is None:
+            fast = build_fast(self.original, self.recipe, self.sample, self.inplace, self.applied, self.fallbacks)
+            self._runner = Runner(fast, self.recipe)
+        return self._runner
+
+    def call(self, fn: Callable, cuda_graphs: bool) -> KilnCall:
+        return KilnCall(fn, self, cuda_graphs)
+
+
+class KilnCall:
+    """Serves one torchkiln candidate: calibrates the attention router on the first
+    real inputs, drops an all-ones HF attention mask, sets the recipe's backend flags."""
+
+    def __init__(self, fn: Callable, build: KilnBuild, cuda_graphs: bool):
+        self.fn, self.build, self.cuda_graphs = fn, build, cuda_graphs
+        self.recipe = build.recipe
+
+    def __call__(self, *args, **kwargs):
+        if self.recipe.drop_all_ones_mask:
+            kwargs = drop_all_ones_mask(kwargs)
+        runner = self.build.runner()
+        if not runner.calibrated:
+            note = runner.calibrate(args, kwargs)
+            if note:
+                self.build.applied.append(f"attention ({note})")
+        with self._flags():
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            return self.fn(*args, **kwargs)
+
+    def _flags(self):
+        if not self.recipe.cudnn_benchmark:
+            return contextlib.nullcontext()
+        c = torch.backends.cudnn
+        return c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
+
+
+def drop_all_ones_mask(kwargs: dict) -> dict:
+    """transformers treats attention_mask=None as all ones, but once traced it keeps
+    the mask and builds a 4-D one, which rules out flash attention. A 2-D all-ones
+    mask is dropped here, outside the compiled graph (a small device sync on CUDA)."""
+    m = kwargs.get("attention_mask")
+    if isinstance(m, torch.Tensor) and m.dim() == 2 and bool(m.all()):
+        return {**kwargs, "attention_mask": None}
+    return kwargs
+
+
+def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
+    rec = build.recipe
+    tag = rec.dtype
+    out = []
+    if rec.compile:
+        base = dict(rec.compile_options)
+        variants = [True, False] if rec.cuda_graphs else [False]
+        for graphs in variants:
+            opts = {**base, "triton.cudagraphs": graphs} if rec.device.startswith("cuda") else base
+            suffix = " + CUDA graphs" if graphs else ""
+
+            def breaks(opts=opts, graphs=graphs, suffix=suffix):
+                return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,
+                                 lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True),
+                                                    graphs), tier, graphs, build.applied)
+
+            out.append(Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag,
+                                 lambda opts=opts, graphs=graphs: build.call(
+                                     compile_model(build.runner(), opts, fullgraph=True, private=True), graphs),
+                                 tier, graphs, build.applied, breaks))
+    out.append(Candidate(f"torchkiln eager passes ({tag})", "torchkiln", tag,
+                         lambda: build.call(build.runner(), False), tier, False, build.applied))
+    return out
+
+
+def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope: str,
+               fallbacks: list[Fallback]) -> list[Candidate]:
+    """Every candidate for this recipe, in the order they are tried. The first one of
+    a low-precision tier 0 is the plain cast: its error sets the guard's tolerances."""
+    device = torch.device(recipe.device)
+    dtype = DTYPES[recipe.dtype]
+    conv = has_conv(original)
+    out: list[Candidate] = []
+    # Stock recipes run the original where it lives; with device= elsewhere, only ours compete.
+    stock_ok = scope == "auto" and not inplace and model_device(original) == device
+    if stock_ok and recipe.level != "O0":
+        for r in stock.eager_recipes(dtype):
+            out.append(_stock(r, original, device, conv, "eager"))
+    elif dtype != torch.float32 and not inplace and model_device(original) == device:
+        base = _stock(stock.eager_recipes(dtype)[0], original, device, conv, "eager")  # the plain cast
+        base.serve = False
+        out.append(base)
+    out += _kiln(KilnBuild(original, recipe, sample, inplace, fallbacks), 0)
+    if stock_ok and recipe.compile:
+        # One stock compile recipe per mode, to bound optimize time: on CPU PyTorch's
+        # documented inference recipe (freezing under autocast), on CUDA a cast model.
+        how = "autocast" if device.type == "cpu" else "cast"
+        for r in stock.compile_recipes(device, dtype):
+            if r.how in ("none", how):
+                out.append(_stock(r, original, device, conv, "stock"))
+    if dtype != torch.float32 and not inplace:
+        fp32 = recipe.replace(dtype="float32", dtype_mode="none").without("cast_dtype")
+        out += [c for c in _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)]
+    if not inplace:
+        out.append(Candidate("original model", "original", _dtype_of(original), lambda: OnDevice(original), tier=2))
+    return out
+
+
+def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str) -> Candidate:
+    # The original is used as is (never changed: a cast works on a copy), on its device.
+    return Candidate(r.name, kind, r.dtype, lambda: stock.build(r, original, device, cudnn_benchmark=conv),
+                     cuda_graphs=r.cuda_graphs)
+
+
+def _dtype_of(model: nn.Module) -> str:
+    return dtype_name(model_dtype(model))
+
+
+class OnDevice:
+    """The original model, with inputs moved to its device (it may live elsewhere than
+    the recipe's device, when optimize() was given ``device=``)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        dev = model_device(self.model)
+        args, kwargs = inputs.to((args, kwargs), dev)
+        return self.model(*args, **kwargs)

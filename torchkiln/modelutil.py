@@ -1,0 +1,89 @@
+"""Small facts about a model that optimize, check and bench all need."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+from torch import nn
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16 or "
+                     f"torch.float16 (or the strings {sorted(set(DTYPES))})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of the first floating parameter or buffer (float32 if none)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def has_conv(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+
+
+def training_module(model: nn.Module) -> str | None:
+    """The name of the first submodule in training mode ("" for the root), or None."""
+    return next((name for name, m in model.named_modules() if m.training), None)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Every submodule in eval mode for the block; each one's own mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for m, _ in modes:
+            m.training = False
+        yield model
+    finally:
+        for m, was in modes:
+            m.training = was
+
+
+def tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def fingerprint(ts: list[torch.Tensor]) -> tuple:
+    """Changes when any tensor is replaced or written in place (version counters)."""
+    return tuple((id(t), t._version) for t in ts)
+
+
+def keeps_mode(fn):
+    """Decorator: the model (first argument) runs in eval mode inside ``fn`` and leaves
+    with the train/eval mode of each submodule as the caller had it."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        if not isinstance(model, nn.Module):
+            return fn(model, *args, **kwargs)
+        with eval_mode(model):
+            return fn(model, *args, **kwargs)
+    return wrapper

@@ -1,0 +1,128 @@
+"""The pass registry (the torchao pattern: a frozen config dataclass per pass,
+and a handler looked up by the config's pass name).
+
+A pass file registers itself::
+
+    @dataclass(frozen=True)
+    class FoldConvBNConfig:
+        name: ClassVar[str] = "fold_conv_bn"
+
+    @register(FoldConvBNConfig, order=20)
+    def _apply(model, config, ctx) -> tuple[nn.Module, str]:
+        ...
+        return model, "3 folded"
+
+The Recipe holds the ordered configs; ``build_fast`` runs ``lookup(config.name)``
+for each. Quantization, training and LLM passes register the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class Skip(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a pass that does not apply here (e.g. it needs a sample input)."""
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the model and its own config."""
+
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype of the recipe
+    sample: tuple | None = None  # (args, kwargs) as the fast model sees them (device, dtype), or None
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    config: type
+    apply: Callable[[nn.Module, object, PassContext], tuple[nn.Module, str]]
+    order: int  # where it runs relative to other passes (ascending)
+
+
+_PASSES: dict[str, PassInfo] = {}
+
+
+def register(config_cls: type, order: int):
+    name = config_cls.name
+    if not dataclasses.is_dataclass(config_cls) or not config_cls.__dataclass_params__.frozen:
+        raise TypeError(f"pass {name!r}: its config must be a frozen dataclass")
+
+    def deco(fn):
+        if name in _PASSES and _PASSES[name].apply is not fn:
+            raise ValueError(f"pass {name!r} is already registered")
+        _PASSES[name] = PassInfo(name, config_cls, fn, order)
+        return fn
+    return deco
+
+
+def _load() -> None:
+    from . import (  # noqa: F401 - importing registers them
+        cast_dtype,
+        channels_last,
+        concat_linear,
+        fold_conv_bn,
+        fold_linear_bn,
+        onednn_linear,
+        replace_dropout,
+    )
+
+
+def names() -> list[str]:
+    _load()
+    return sorted(_PASSES, key=lambda n: _PASSES[n].order)
+
+
+def lookup(name: str) -> PassInfo:
+    _load()
+    if name not in _PASSES:
+        raise ValueError(f"unknown pass {name!r}; registered passes: {names()}")
+    return _PASSES[name]
+
+
+def make(name: str, **options):
+    """A pass config by name: ``make("cast_dtype", dtype="bfloat16")``."""
+    return lookup(name).config(**options)
+
+
+def ordered(configs) -> tuple:
+    """Configs sorted into run order; one config per pass name (the last one given wins)."""
+    by_name = {c.name: c for c in configs}
+    for n in by_name:
+        lookup(n)
+    return tuple(sorted(by_name.values(), key=lambda c: _PASSES[c.name].order))
+
+
+def to_dict(config) -> dict:
+    return {"pass": config.name, **{f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}}
+
+
+def from_dict(d: dict):
+    d = dict(d)
+    info = lookup(d.pop("pass"))
+    fields = {f.name for f in dataclasses.fields(info.config)}
+    unknown = set(d) - fields
+    if unknown:
+        raise ValueError(f"pass {info.name!r} has no options {sorted(unknown)}; it takes {sorted(fields)}")
+    return info.config(**{k: _tuple(v) for k, v in d.items()})
+
+
+def _plain(v):
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _tuple(v):
+    return tuple(_tuple(x) for x in v) if isinstance(v, list) else v
+
+
+def run_pass(name: str, model: nn.Module, ctx: PassContext | None = None, **options) -> tuple[nn.Module, str]:
+    """Run one registered pass by name (what build_fast does for each recipe entry)."""
+    ctx = ctx or PassContext(torch.device("cpu"), torch.float32)
+    return lookup(name).apply(model, make(name, **options), ctx)

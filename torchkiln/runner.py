@@ -1,0 +1,136 @@
+"""torchkiln's own recipe, built: the passes applied to a copy of the model, and
+the runner that converts inputs and outputs around it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+from torch import nn
+
+from . import inputs
+from ._log import warn_once
+from .modelutil import DTYPES
+from .passes import registry
+from .passes.registry import PassContext, Skip
+from .passes.sdpa_math import SDPARouter
+from .passes.tensors import remake
+from .recipe import Recipe
+from .report import Fallback
+
+log = logging.getLogger(__name__)
+
+
+class Runner(nn.Module):
+    """The fast model plus the per-call input/output conversions, compiled as one
+    graph so the casts and layout changes fuse with the first and last kernels."""
+
+    def __init__(self, fast: nn.Module, recipe: Recipe):
+        super().__init__()
+        self.fast = fast
+        compute = DTYPES[recipe.dtype]
+        self.compute = compute
+        self.cast = recipe.dtype_mode == "cast" and compute != torch.float32
+        self.autocast = recipe.dtype_mode == "autocast" and compute != torch.float32
+        self.device = torch.device(recipe.device)
+        self.channels_last = recipe.memory_format == "channels_last"
+        self.router = SDPARouter(mode=recipe.attention) if recipe.attention != "sdpa" else None
+        self.calibrated = self.router is None or recipe.attention == "opaque"
+
+    def _convert_in(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device != self.device:
+            t = t.to(self.device)
+        if t.is_floating_point():
+            if self.cast:
+                t = t.to(self.compute)
+            if self.channels_last and t.dim() in (4, 5):
+                t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+        return t
+
+    def calibrate(self, args, kwargs) -> str | None:
+        """One eager call on real inputs, so the attention router can time its choices."""
+        if self.calibrated:
+            return None
+        self.router.calibrating = True
+        try:
+            with torch.no_grad():
+                self.forward(*args, **kwargs)
+        finally:
+            self.router.calibrating = False
+            self.calibrated = True
+        return self.router.summary() if self.router.timings else None
+
+    def _call(self, args, kwargs):
+        if self.autocast:
+            with torch.autocast(self.device.type, dtype=self.compute):
+                return self.fast(*args, **kwargs)
+        return self.fast(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
+        if self.router is not None:
+            with self.router:
+                out = self._call(args, kwargs)
+        else:
+            out = self._call(args, kwargs)
+        if self.cast or self.autocast:
+            out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
+        return out
+
+
+def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, inplace: bool,
+               applied: list[str], fallbacks: list[Fallback]) -> nn.Module:
+    """Apply the recipe's passes, looked up in the registry, to a copy of ``original``
+    that shares untouched tensors with it (``inplace=True``: to ``original`` itself).
+    Each pass that ran appends "name (note)" to ``applied``; one that failed or did
+    not apply is recorded in ``fallbacks`` and skipped: it must not cost the others."""
+    device = torch.device(recipe.device)
+    compute = DTYPES[recipe.dtype]
+
+    def move(t):
+        return t if t.device == device else t.to(device)
+
+    if inplace:
+        fast = remake(original, move)
+    else:
+        # Share parameter and buffer tensors: passes that change a tensor make a new
+        # one (passes/tensors.py), so the original stays intact without doubling memory.
+        memo = {}
+        for t in (*original.parameters(), *original.buffers()):
+            d = t.detach()
+            moved = move(d)
+            if moved is d:
+                memo[id(t)] = t
+            else:
+                memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+        fast = copy.deepcopy(original, memo)
+    fast.eval()
+    for cfg in recipe.passes:
+        info = registry.lookup(cfg.name)
+        ctx = PassContext(device, compute, _sample_for(info.order, sample, device, compute, recipe))
+        t0 = time.perf_counter()
+        try:
+            fast, note = info.apply(fast, cfg, ctx)
+        except Skip as e:
+            fallbacks.append(Fallback(cfg.name, "skipped", str(e)))
+            continue
+        except Exception as e:
+            fallbacks.append(Fallback(cfg.name, "skipped", f"{type(e).__name__}: {e}"))
+            warn_once(f"pass:{cfg.name}:{type(e).__name__}", f"torchkiln: pass {cfg.name} failed and was skipped: {e}")
+            continue
+        applied.append(f"{cfg.name} ({note})" if note else cfg.name)
+        log.debug("pass %s: %s (%.3f s)", cfg.name, note, time.perf_counter() - t0)
+    return fast
+
+
+def _sample_for(order: int, sample, device, compute, recipe: Recipe):
+    """The sample as the model sees it at this point: passes after the cast see the
+    compute dtype (they run inside the runner's input cast)."""
+    if sample is None:
+        return None
+    cast_order = registry.lookup("cast_dtype").order
+    low = recipe.dtype_mode == "cast" and compute != torch.float32 and order > cast_order
+    return inputs.to(sample, device, compute if low else None)

@@ -1,0 +1,119 @@
+"""The stock-PyTorch recipes a skilled user would write by hand, as data.
+
+One place for them, because two parts of torchkiln need the same ones:
+``optimize`` times them as candidates (and serves one if it is fastest: the
+user never gets less than stock), and ``bench`` times them as peers. Each
+recipe builds a callable that takes the model's inputs and returns outputs in
+the input's floating dtype, as torchkiln's own model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import inputs
+from .passes.compile import Fresh, compile_model
+
+_LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class StockRecipe:
+    name: str  # as printed in reports and bench tables
+    dtype: str  # compute dtype: float32 | bfloat16 | float16
+    how: str = "none"  # none | cast (weights and inputs) | autocast
+    compile: bool = False
+    mode: str | None = None  # torch.compile mode: None | reduce-overhead | max-autotune-no-cudagraphs
+    freezing: bool = False  # inductor freezing (the CPU inference recipe in PyTorch's docs)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.mode == "reduce-overhead"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "how": self.how, "compile": self.compile,
+                "mode": self.mode, "freezing": self.freezing}
+
+
+def _dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def eager_recipes(dtype: torch.dtype) -> list[StockRecipe]:
+    """The model as the user gave it, at the requested precision."""
+    if dtype == torch.float32:
+        return [StockRecipe("eager", "float32")]
+    low = _LOW[dtype]
+    return [StockRecipe(f"eager {low}-cast", _dname(dtype), "cast"),
+            StockRecipe(f"eager {low}-autocast", _dname(dtype), "autocast")]
+
+
+def compile_recipes(device: torch.device, dtype: torch.dtype, autotune: bool = False) -> list[StockRecipe]:
+    """torch.compile the way the docs teach it: freezing on CPU; on CUDA the default
+    mode, ``reduce-overhead`` (CUDA graphs) and, when asked, ``max-autotune-no-cudagraphs``."""
+    freeze = device.type == "cpu"
+    tag = "+freezing" if freeze else ""
+    hows = ["none"] if dtype == torch.float32 else ["cast", "autocast"]
+    modes: list[str | None] = [None]
+    if device.type == "cuda":
+        modes.append("reduce-overhead")
+        if autotune:
+            modes.append("max-autotune-no-cudagraphs")
+    out = []
+    for mode in modes:
+        for how in hows:
+            name = f"compile{tag}" + (f" {_LOW[dtype]}-{how}" if how != "none" else "") + (f" {mode}" if mode else "")
+            out.append(StockRecipe(name, _dname(dtype), how, True, mode, freeze))
+    return out
+
+
+def build(recipe: StockRecipe, model: nn.Module, device: torch.device, cudnn_benchmark: bool = False) -> Callable:
+    """A callable running ``recipe`` on ``model``. ``model`` is never changed: a cast
+    works on a copy; compilation wraps it without touching its tensors."""
+    dtype = getattr(torch, recipe.dtype)
+    if recipe.how == "cast":
+        model = copy.deepcopy(model).to(dtype)
+    fn: Callable = model
+    if recipe.compile:
+        if recipe.freezing:
+            fn = compile_model(model, {"freezing": True})
+        else:
+            fn = torch.compile(Fresh(model), mode=recipe.mode)
+    return _Call(fn, recipe, device, dtype, cudnn_benchmark)
+
+
+class _Call:
+    """Input cast / autocast / output cast-back around a stock callable."""
+
+    def __init__(self, fn, recipe: StockRecipe, device: torch.device, dtype: torch.dtype, cudnn_benchmark: bool):
+        self.fn, self.recipe, self.device, self.dtype = fn, recipe, device, dtype
+        self.cudnn_benchmark = cudnn_benchmark and device.type == "cuda"
+
+    def __call__(self, *args, **kwargs):
+        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        if self.recipe.how == "cast":
+            args, kwargs = inputs.to((args, kwargs), dtype=self.dtype)
+        with self._context():
+            if self.recipe.cuda_graphs:
+                # A new step for cudagraph trees: earlier outputs may be overwritten by this replay.
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.fn(*args, **kwargs)
+        if self.recipe.how != "none":
+            out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
+        return out
+
+    def _context(self):
+        stack = contextlib.ExitStack()
+        if self.recipe.how == "autocast":
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
+        if self.cudnn_benchmark:
+            c = torch.backends.cudnn
+            stack.enter_context(c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic,
+                                        allow_tf32=c.allow_tf32))
+        return stack
