@@ -29,15 +29,19 @@ def test_optimize_bf16_on_gpu_matches_fp32_eager(name, batch):
     x = x.cuda()
     ref = model(x)
     o = tk.optimize(model, dtype=torch.bfloat16, sample_input=x)
-    r = o.kiln_recipe
-    assert r.device == "cuda:0" and r.dtype == "bfloat16" and r.attention == "sdpa" and r.gemm == "aten"
-    assert o.kiln_report.active == "compiled full graph (bfloat16)", o.kiln_report
+    r, rep = o.kiln_recipe, o.kiln_report
+    assert r.device == "cuda:0" and r.dtype == "bfloat16" and r.attention == "opaque" and r.gemm == "aten"
+    by = {c.name: c for c in rep.candidates}
+    assert by["torchkiln compiled (bfloat16) + CUDA graphs"].status in ("served", "passed"), str(rep)
+    assert by["compile bf16-cast reduce-overhead"].median_ms is not None, str(rep)  # the stock CUDA-graph peer
+    assert rep.guard["ok"] and rep.dtype_served == "bfloat16"
     y = o(x)
     assert y.dtype == torch.float32 and y.device.type == "cuda"
-    assert ((y - ref).norm() / ref.norm()).item() < 5e-2
+    assert ((y - ref).norm() / ref.norm()).item() <= rep.tolerance
     if name == "resnet50":
         assert r.memory_format == "channels_last"
-    assert list(o.state_dict()) == list(model.state_dict())
+    assert [id(p) for p in o.parameters()] == [id(p) for p in model.parameters()]
+    assert o.to("cuda") is o and o.cuda() is o
 
 
 def test_cpu_model_optimized_for_cuda_keeps_cpu_checkpoint():
@@ -60,7 +64,7 @@ def test_bench_reports_gpu_memory():
     res = tk.bench(model.cuda(), x.cuda(), dtype=torch.bfloat16, peers=["compile bf16-cast", "torchkiln"], iters=5,
                    warmup=2, rounds=1, progress=False)
     assert [r.name for r in res.rows] == ["eager", "compile bf16-cast", "torchkiln"]
-    assert all(r.peak_mem_mb and r.peak_mem_mb > 0 for r in res.rows)
+    assert all(r.peak_mem_mb is not None and r.peak_mem_mb >= 0 for r in res.rows)
     assert res.rows[-1].rel_err < 5e-2
 
 
@@ -69,11 +73,12 @@ def test_bf16_unsupported_gpu_keeps_fp32(monkeypatch):
     from dataclasses import replace
 
     opt_mod = importlib.import_module("torchkiln.optimize")
+    importlib.import_module("torchkiln._log")._warned.clear()
     hw = tk.detect()
     old = replace(hw, accelerators=tuple(replace(a, bf16=False, capability="7.0") for a in hw.accelerators))
     monkeypatch.setattr(opt_mod, "detect", lambda: old)
     with pytest.warns(UserWarning, match="does not run it natively"):
-        o = tk.optimize(nn.Linear(8, 8).cuda(), dtype=torch.bfloat16, graph_mode=False)
+        o = tk.optimize(nn.Linear(8, 8).cuda().eval(), dtype=torch.bfloat16, graph_mode=False)
     assert o.kiln_recipe.dtype == "float32"
 
 
@@ -81,9 +86,53 @@ def test_cuda_graph_outputs_survive_later_calls_and_threads():
     model, _ = zoo.load("mlp", batch=8)
     model = model.cuda()
     xs = [torch.randn(8, 256, device="cuda") for _ in range(8)]
-    o = tk.optimize(model, sample_input=xs[0])
-    assert o.kiln_recipe.cuda_graphs and o.kiln_report.active.startswith("compiled")
+    o = tk.optimize(model, sample_input=xs[0], candidates="torchkiln", time_budget=0)
+    by = {c.name: c for c in o.kiln_report.candidates}
+    assert o.kiln_recipe.cuda_graphs and by["torchkiln compiled (float32) + CUDA graphs"].status in ("served", "passed")
+    o._install("torchkiln compiled (float32) + CUDA graphs",  # serve the graphs, whichever timed faster
+               o._find("torchkiln compiled (float32) + CUDA graphs").make(), o._order)
     # Replays reuse one memory pool: earlier outputs must stay intact, and threads must agree.
     outs = assert_threads_match_serial(o, xs, repeats=3)
     for x, y in zip(xs, outs, strict=True):
         torch.testing.assert_close(y, model(x), rtol=1e-3, atol=1e-3)
+
+
+def test_fully_masked_rows_give_zeros_on_cuda_attention_paths():
+    import torch.nn.functional as F
+
+    from torchkiln.passes.sdpa_math import sdpa, sdpa_math
+
+    q, k, v = (torch.randn(2, 4, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool, device="cuda")
+    mask[0, :, 3] = False  # query row 3 of batch 0 sees no key
+    for fn in (sdpa, sdpa_math):
+        out = fn(q, k, v, mask, False, None, False)
+        assert torch.isfinite(out).all() and out[0, :, 3].abs().max() == 0, fn
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        ok = mask.any(-1, keepdim=True).expand_as(ref[..., :1])
+        assert ((out.double() - ref).abs() * ok).max() < 3e-2
+
+
+@pytest.mark.parametrize("padded", [pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="H200 2026-11-21: transformers 5.17 still builds a mask kernel with attention_mask=None "
+    "under compile and no flash kernel showed; open work (trust issue, item 2)")), True])
+def test_hf_encoder_keeps_fast_attention_under_compile(padded):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+                                  attn_implementation="sdpa")
+    model = transformers.BertModel(cfg).cuda().eval()
+    ids = torch.randint(0, cfg.vocab_size, (4, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, 40:] = 0
+    o = tk.optimize(model, dtype=torch.bfloat16, sample_input={"input_ids": ids, "attention_mask": mask},
+                    candidates="torchkiln", time_budget=0)
+    with torch.profiler.profile() as prof:
+        out = o(input_ids=ids, attention_mask=mask)
+    names = " ".join(e.key for e in prof.key_averages())
+    assert "safe_softmax" not in names
+    assert "flash" in names.lower() or "efficient" in names.lower() or "cudnn" in names.lower(), names[:2000]
+    ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.bool()
+    err = (out.last_hidden_state - ref)[keep].norm() / ref[keep].norm()
+    assert err < o.kiln_report.tolerance

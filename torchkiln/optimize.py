@@ -215,7 +215,8 @@ class KilnModule(nn.Module):
                     continue
                 m.status, m.reason = "passed", ""
                 passed[cand.name] = fn
-                outs[cand.name] = out
+                # The guard's verdict now: a CUDA-graph output is overwritten by the timing runs.
+                outs[cand.name] = verdict(out, ref, self._tols) if ref is not None and self._tols else None
             if passed:
                 break
         report.candidates = list(measures.values())
@@ -224,17 +225,19 @@ class KilnModule(nn.Module):
         ts = time.perf_counter()
         if len(passed) > 1:
             self._time(passed, args, kwargs, measures)
+            if not passed:
+                return self._serve_original(args, kwargs, ref, "every candidate failed on repeated calls")
         report.selection_seconds = round(time.perf_counter() - ts, 3)
         timed = {n: measures[n].median_ms for n in passed if measures[n].median_ms is not None}
         best = min(timed, key=timed.get) if timed else next(iter(passed))
         order = sorted(passed, key=lambda n: timed.get(n, float("inf")))
         self._install(best, passed[best], order)
-        self._after_select(ref, outs[best], measures)
+        self._after_select(outs[best], measures)
         if report.first_call_seconds is None:
             report.first_call_seconds = round(time.perf_counter() - t0, 3)
         self._mark_verified(args, kwargs)
         self._remember_weights()
-        return self._serve(passed[best], args, kwargs) if self._served.cuda_graphs else outs[best]
+        return self._serve(passed[best], args, kwargs)
 
     def _rebuild(self, args, kwargs, ref, measures):
         """After a weight change or a copy: rebuild the candidate that was chosen, keep
@@ -298,17 +301,27 @@ class KilnModule(nn.Module):
     def _time(self, passed: dict, args, kwargs, measures) -> None:
         dev = torch.device(self.kiln_recipe.device)
         warm = 3 if dev.type == "cuda" else 1  # CUDA graph trees record on the 2nd/3rd call
-        fns = {}
+        fns, errors = {}, {}
         for name, fn in passed.items():
             graphs = self._find(name).cuda_graphs
             call = (lambda fn=fn: inputs.tree_map(torch.clone, fn(*args, **kwargs))) if graphs else \
                 (lambda fn=fn: fn(*args, **kwargs))
-            with torch.no_grad():
-                for _ in range(warm):
-                    call()
+            try:
+                with torch.no_grad():
+                    for _ in range(warm):
+                        call()
+            except Exception as e:
+                if _oom(e):
+                    raise
+                errors[name] = e
+                continue
             fns[name] = call
         with torch.no_grad():
-            times = interleaved(fns, dev, self._opts["time_budget"])
+            times = interleaved(fns, dev, self._opts["time_budget"], errors=errors)
+        for name, e in errors.items():  # failed on a repeat call: never serve it
+            measures[name].status, measures[name].reason = "failed", f"on a repeated call: {type(e).__name__}: " \
+                f"{_first_line(e)}"
+            passed.pop(name)
         for name, ts in times.items():
             measures[name].median_ms = round(statistics.median(ts) * 1e3, 4)
             measures[name].calls_timed = len(ts)
@@ -333,11 +346,10 @@ class KilnModule(nn.Module):
             if m.name == name:
                 m.status = "served"
 
-    def _after_select(self, ref, out, measures) -> None:
+    def _after_select(self, v, measures) -> None:
         report = self.kiln_report
         served = self._served
-        if ref is not None and self._tols is not None:
-            v = verdict(out, ref, self._tols)
+        if v is not None:
             report.guard = v.to_dict()
             worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-30))
             report.error, report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]

@@ -30,23 +30,35 @@ def synchronize(device: torch.device) -> None:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, budget_s: float,
-                min_rounds: int = 3, max_rounds: int = 50, prune: float = 1.5) -> dict[str, list[float]]:
+                min_rounds: int = 3, max_rounds: int = 50, prune: float = 1.5,
+                errors: dict[str, BaseException] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each function, timed in rounds (one call of each per round)
     so drift on a noisy machine hits all alike. Runs at least ``min_rounds``, then
     until ``budget_s`` is spent; after ``min_rounds``, functions slower than
-    ``prune`` x the best median stop being timed (their times so far are kept)."""
+    ``prune`` x the best median stop being timed (their times so far are kept).
+    A function that raises is dropped (no times) and its exception put in ``errors``."""
     times: dict[str, list[float]] = {n: [] for n in fns}
     live = list(fns)
     start = time.perf_counter()
     for r in range(max_rounds):
         if r >= min_rounds and time.perf_counter() - start > budget_s:
             break
-        for n in live:
+        for n in list(live):
             synchronize(device)
             t = time.perf_counter()
-            fns[n]()
-            synchronize(device)
+            try:
+                fns[n]()
+                synchronize(device)
+            except Exception as e:
+                if errors is None:
+                    raise
+                errors[n] = e
+                live.remove(n)
+                del times[n]
+                continue
             times[n].append(time.perf_counter() - t)
+        if not live:
+            break
         if r + 1 >= min_rounds and len(live) > 1:
             best = min(statistics.median(times[n]) for n in live)
             live = [n for n in live if statistics.median(times[n]) <= prune * best]

@@ -154,18 +154,12 @@ def test_compile_options_merge_over_the_plan():
     assert list(recipe.compile_options) == sorted(recipe.compile_options)
 
 
-@pytest.mark.xfail(strict=True, reason="planner bug: plan/__init__.py _apply_knobs sets cuda_graphs from "
-                   "compile_options['triton.cudagraphs'] on any device, so a CPU recipe gets cuda_graphs=True "
-                   "(candidates then serve a '+ CUDA graphs' variant on CPU)")
 @pytest.mark.parametrize("hw,device", [(X86_NO_BF16, "cpu"), (XPU, "xpu:0")], ids=["cpu", "xpu"])
 def test_compile_options_cudagraphs_off_cuda_is_not_cuda_graphs(hw, device):
     recipe = plan(mlp(), hw, device, FP32, "O1", {"compile_options": {"triton.cudagraphs": True}}, 8)
     assert recipe.cuda_graphs is False
 
 
-@pytest.mark.xfail(strict=True, reason="planner bug (minor): graph_mode=False turns compile off but keeps "
-                   "cuda_graphs=True from cuda.plan; CUDA graphs here only exist under inductor, so the recipe "
-                   "reports graphs that never run")
 def test_graph_mode_false_has_no_cuda_graphs():
     recipe = plan(mlp(), H100, "cuda:0", BF16, "O1", {"graph_mode": False}, batch=8)
     assert recipe.compile is False

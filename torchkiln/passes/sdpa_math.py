@@ -85,14 +85,25 @@ def _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 @torch.library.custom_op("torchkiln::sdpa", mutates_args=())
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
          is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    return _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _zero_empty_rows(_aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa), q, attn_mask)
 
 
 @sdpa.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     # SDPA's output strides follow q's layout and the kernel chosen, and inductor
     # asserts an extern op's real strides against the fake's: let torch say.
-    return _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _zero_empty_rows(_aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa), q, attn_mask)
+
+
+def _zero_empty_rows(out: torch.Tensor, q: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """CUDA's fused kernels (efficient attention, H200, torch 2.11) return garbage, not
+    zeros, for a query row whose keys are all masked; CPU SDPA returns zeros. One
+    masked_fill makes every path agree (no host sync: safe under CUDA graphs)."""
+    if attn_mask is None or q.device.type == "cpu":
+        return out
+    empty = ~attn_mask.any(-1, keepdim=True) if attn_mask.dtype == torch.bool else \
+        torch.isneginf(attn_mask).all(-1, keepdim=True)
+    return out.masked_fill(empty, 0)
 
 
 def _unpack(args, kwargs):

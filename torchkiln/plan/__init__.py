@@ -74,10 +74,12 @@ def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
         notes.append("weights_prepack ignored: oneDNN prepacking applies to CPU only")
     if knobs.get("graph_mode") is not None:
         changes["compile"] = bool(knobs["graph_mode"])
+        if not knobs["graph_mode"]:
+            changes["cuda_graphs"] = False  # CUDA graphs come from inductor here
     opts = dict(recipe.compile_options)
     if knobs.get("compile_options"):
         opts.update(knobs["compile_options"])
-        changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs"))
+        changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs")) and recipe.device.startswith("cuda")
     if "onednn_linear" in passes and opts.get("cpp_wrapper"):
         # inductor's cpp_wrapper asserts oneDNN weights are graph constants; the packed
         # buffers of onednn_linear are not (InductorError on torch 2.13): never both.
