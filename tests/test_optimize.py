@@ -20,6 +20,12 @@ cand_mod = importlib.import_module("torchkiln.candidates")
 log_mod = importlib.import_module("torchkiln._log")
 
 
+def compiled_wins(monkeypatch):
+    """Fixed timings: torchkiln's compiled candidate (no graphs) is fastest, whatever the machine's load."""
+    monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {
+        n: [0.001 if n.startswith("torchkiln compiled") and "graphs" not in n else 0.002] * 3 for n in fns})
+
+
 def with_bf16(monkeypatch):
     """Plan as if this CPU had native bf16 (emulated bf16 still computes correctly here)."""
     from dataclasses import replace
@@ -304,6 +310,7 @@ def test_new_input_shapes_are_verified_and_a_mismatch_steps_down(monkeypatch):
             return y * 2 if x.shape[0] == 3 else y
 
     monkeypatch.setattr(cand_mod, "compile_model", lambda *a, **k: WrongOnBatch3(real(*a, **k)))
+    compiled_wins(monkeypatch)
     m = mlp()
     o = tk.optimize(m, sample_input=torch.randn(4, 32), candidates="torchkiln")
     assert o.kiln_report.active == "torchkiln compiled (float32)"
@@ -526,9 +533,7 @@ def test_later_failure_steps_down_but_user_errors_and_oom_raise(monkeypatch):
             return self.runner(*a, **k)
 
     monkeypatch.setattr(cand_mod, "compile_model", lambda runner, *a, **k: Flaky(runner))
-    # Fixed timings: the compiled candidate wins, as the rest of this test needs.
-    monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {
-        n: [0.001 if n.startswith("torchkiln compiled") and "graphs" not in n else 0.002] * 3 for n in fns})
+    compiled_wins(monkeypatch)
     log_mod._warned.clear()
     m, x = mlp(), torch.randn(4, 32)
     o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0)

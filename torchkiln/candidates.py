@@ -154,7 +154,7 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
                 out.append(_stock(r, original, device, conv, "stock"))
     if dtype != torch.float32 and not inplace:
         fp32 = recipe.replace(dtype="float32", dtype_mode="none").without("cast_dtype")
-        out += [c for c in _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)]
+        out += _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)
     if not inplace:
         out.append(Candidate("original model", "original", _dtype_of(original), lambda: OnDevice(original), tier=2))
     return out

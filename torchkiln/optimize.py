@@ -192,7 +192,7 @@ class KilnModule(nn.Module):
             out = self._rebuild(args, kwargs, ref, measures)
             if out is not _FAILED:
                 return out
-        outs: dict[str, object] = {}
+        verdicts: dict[str, object] = {}
         passed: dict[str, object] = {}
         for tier in sorted({c.tier for c in self._cands}):
             for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
@@ -216,7 +216,7 @@ class KilnModule(nn.Module):
                 m.status, m.reason = "passed", ""
                 passed[cand.name] = fn
                 # The guard's verdict now: a CUDA-graph output is overwritten by the timing runs.
-                outs[cand.name] = verdict(out, ref, self._tols) if ref is not None and self._tols else None
+                verdicts[cand.name] = verdict(out, ref, self._tols) if ref is not None and self._tols else None
             if passed:
                 break
         report.candidates = list(measures.values())
@@ -232,7 +232,7 @@ class KilnModule(nn.Module):
         best = min(timed, key=timed.get) if timed else next(iter(passed))
         order = sorted(passed, key=lambda n: timed.get(n, float("inf")))
         self._install(best, passed[best], order)
-        self._after_select(outs[best], measures)
+        self._after_select(verdicts[best], measures)
         if report.first_call_seconds is None:
             report.first_call_seconds = round(time.perf_counter() - t0, 3)
         self._mark_verified(args, kwargs)
