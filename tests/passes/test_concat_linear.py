@@ -55,3 +55,13 @@ def test_compiles():
     out = torch.compile(concat_linear(copy.deepcopy(m), (x,), {}), fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(out(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_linear_lives_with_its_siblings():
+    # The fused weight is made where the siblings are (a CUDA model got a CPU weight once).
+    from torchkiln.passes.concat_linear import _Group
+
+    lin = [nn.Linear(8, 8, device="meta", dtype=torch.bfloat16) for _ in range(3)]
+    g = _Group(lin)
+    assert g.fused.weight.device.type == "meta" and g.fused.weight.dtype == torch.bfloat16
+    assert g.fused.weight.shape == (24, 8)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchkiln.passes.sdpa_math import SDPARouter, sdpa, sdpa_math
+from torchkiln.passes.sdpa_math import SDPARouter, attention, sdpa, sdpa_math
 
 OPS = {"sdpa_math": sdpa_math, "sdpa": sdpa}
 
@@ -96,6 +96,43 @@ def test_padding_mask_with_is_causal():
     torch.testing.assert_close(got.double(), ref_sdpa(q, k, v, attn_mask=combined), rtol=1e-5, atol=1e-5)
 
 
+def key_constant_masks():
+    """Masks constant along the keys, as transformers 5.17 builds when traced with
+    attention_mask=None: expanded (last stride 0) or of key size 1. Row 5 of batch 1
+    sees no key."""
+    rows = torch.ones(2, 1, 16, 1, dtype=torch.bool)
+    rows[1, 0, 5] = False
+    add = torch.randn(2, 1, 16, 1).masked_fill(~rows, float("-inf"))
+    return {"bool_expanded": rows.expand(2, 1, 16, 16), "bool_key_size_1": rows,
+            "float_expanded": add.expand(2, 1, 16, 16), "float_key_size_1": add}
+
+
+@pytest.mark.parametrize("case", list(key_constant_masks()))
+def test_key_constant_mask_matches_sdpa(case):
+    mask = key_constant_masks()[case]
+    assert mask.size(-1) == 1 or mask.stride(-1) == 0
+    q, k, v = qkv()
+    # Reference: SDPA in float64 on a materialised copy of the mask.
+    ref = ref_sdpa(q, k, v, attn_mask=mask.expand(2, 1, 16, 16).contiguous())
+    assert (ref[1, :, 5] == 0).all()
+    got = attention(q, k, v, mask, False, None, False)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    # With is_causal too (the reference gets causal and the mask as one mask).
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    full = mask.expand(2, 1, 16, 16)
+    both = full & causal if mask.dtype == torch.bool else full.masked_fill(~causal, float("-inf"))
+    torch.testing.assert_close(attention(q, k, v, mask, True, None, False).double(),
+                               ref_sdpa(q, k, v, attn_mask=both), rtol=1e-5, atol=1e-5)
+
+
+def test_key_constant_mask_drops_mask_kernel_work():
+    # The op runs SDPA without the mask: the profile shows no mask-applying math path.
+    q, k, v = qkv()
+    mask = key_constant_masks()["bool_expanded"]
+    _, names = profiled(lambda: attention(q, k, v, mask, False, None, False))
+    assert "aten::_scaled_dot_product_attention_math" not in names
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_fake_matches_real(op):
     # Inductor asserts an extern op's real strides against the fake's; SDPA's
@@ -103,8 +140,9 @@ def test_fake_matches_real(op):
     q = torch.randn(2, 16, 4, 8).transpose(1, 2)
     kv = q[:, :2].contiguous()
     mask = torch.rand(2, 1, 16, 16) > 0.5
+    expanded = key_constant_masks()["bool_expanded"]
     for args in [(q, q, q, None, True, None, False), (q, q, q, mask, False, 0.3, False),
-                 (q, kv, kv, None, False, None, True)]:
+                 (q, kv, kv, None, False, None, True), (q, q, q, expanded, False, None, False)]:
         torch.library.opcheck(OPS[op], args)
 
 
@@ -229,3 +267,17 @@ def test_hf_bert_opaque_under_compile():
     assert "torchkiln::sdpa" in names
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-6)
+
+
+def test_key_constant_mask_under_compile():
+    # The stride-0 mask is seen while tracing: the op gets no mask, rows are zeroed in-graph.
+    mask = key_constant_masks()["bool_expanded"]
+    q, k, v = qkv()
+
+    def f(q, k, v, rows):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=rows.expand(2, 1, 16, 16))
+
+    with SDPARouter(mode="opaque"):
+        out, names = profiled(lambda: torch.compile(f, fullgraph=True)(q, k, v, mask[..., :1]))
+    assert "torchkiln::sdpa" in names
+    torch.testing.assert_close(out.double(), ref_sdpa(q, k, v, attn_mask=mask.contiguous()), rtol=1e-5, atol=1e-5)

@@ -66,8 +66,15 @@ def test_no_cpu_only_choices_on_cuda(gemm, level):
     gemm.answer = "onednn"
     recipe = plan(mlp(), H100, DEV, FP32, level, {}, batch=8)
     assert gemm.calls == []
-    assert "onednn_linear" not in recipe.pass_names and "concat_linear" not in recipe.pass_names
+    assert "onednn_linear" not in recipe.pass_names
     assert "cpp_wrapper" not in dict(recipe.compile_options)
+
+
+def test_concat_linear_only_with_a_sample_and_no_convs():
+    # It needs the sample run, and is there for the attention op's input strides.
+    assert "concat_linear" in plan(mlp(), H100, DEV, BF16, "O1", {}, batch=8).pass_names
+    assert "concat_linear" not in plan(mlp(), H100, DEV, BF16, "O1", {}, None).pass_names
+    assert "concat_linear" not in plan(cnn(), H100, DEV, BF16, "O1", {}, batch=8).pass_names
 
 
 @LEVEL

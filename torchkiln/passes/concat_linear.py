@@ -26,13 +26,13 @@ from .sample_run import run_with_linear_hooks
 class _Group(nn.Module):
     def __init__(self, linears: list[nn.Linear]):
         super().__init__()
+        w = linears[0].weight
         self.fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
-                               bias=linears[0].bias is not None)
+                               bias=linears[0].bias is not None, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             self.fused.weight.copy_(torch.cat([m.weight for m in linears]))
             if self.fused.bias is not None:
                 self.fused.bias.copy_(torch.cat([m.bias for m in linears]))
-        self.fused.to(linears[0].weight.dtype)
         self.n = len(linears)
         self.cache = None  # (input, output, consumers left)
 

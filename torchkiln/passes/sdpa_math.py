@@ -16,6 +16,10 @@ inductor decomposes SDPA into a math/safe-softmax kernel of its own and loses
 the flash/cuDNN/efficient kernels eager would pick. Opaque, the call keeps
 eager's kernel selection inside a compiled graph.
 
+``attention()`` wraps either op with SDPA's semantics (zeros for a query row that
+sees no key, on every device) and the mask clean-ups that keep GPU kernels usable;
+it runs in the traced graph, so that work fuses with the kernels around it.
+
 Modes: "auto" (CPU) chooses per (q/k/v shapes, dtype, causal, gqa) key by
 timing both forms on the real inputs of a calibration call; a shape never
 calibrated keeps plain SDPA. The mask is not part of the key: it adds about as
@@ -85,25 +89,47 @@ def _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
 @torch.library.custom_op("torchkiln::sdpa", mutates_args=())
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
          is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
-    return _zero_empty_rows(_aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa), q, attn_mask)
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
 @sdpa.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     # SDPA's output strides follow q's layout and the kernel chosen, and inductor
-    # asserts an extern op's real strides against the fake's: let torch say.
-    return _zero_empty_rows(_aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa), q, attn_mask)
+    # asserts an extern op's real strides against the fake's: the same code decides.
+    return _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
-def _zero_empty_rows(out: torch.Tensor, q: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """CUDA's fused kernels (efficient attention, H200, torch 2.11) return garbage, not
-    zeros, for a query row whose keys are all masked; CPU SDPA returns zeros. One
-    masked_fill makes every path agree (no host sync: safe under CUDA graphs)."""
-    if attn_mask is None or q.device.type == "cpu":
-        return out
-    empty = ~attn_mask.any(-1, keepdim=True) if attn_mask.dtype == torch.bool else \
-        torch.isneginf(attn_mask).all(-1, keepdim=True)
-    return out.masked_fill(empty, 0)
+def _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    if attn_mask is not None and attn_mask.stride(-1) != 1 and q.device.type != "cpu":
+        attn_mask = attn_mask.contiguous()  # GPU kernels need a unit last stride (CPU's do not)
+    return _aten_sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+def attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, op=None) -> torch.Tensor:
+    """SDPA's semantics around an opaque op (default ``torchkiln::sdpa``): a query row
+    that sees no key gives zeros on every device. The mask handling stays outside the
+    op, in the traced graph, where the compiler fuses it with the kernels around it
+    (inside, it cost 1-2 extra kernels per layer)."""
+    op = op or torch.ops.torchkiln.sdpa
+    rows = None
+    if attn_mask is not None and (attn_mask.size(-1) == 1 or attn_mask.stride(-1) == 0):
+        # A mask constant along the keys (stride 0: transformers 5.17, traced with
+        # attention_mask=None, builds an expanded all-True one) lets each query row see
+        # every key or none. No GPU kernel takes a mask whose last stride is not 1, so
+        # SDPA fell back to math: 587 vs 54 us per bert-base layer at bs64 on the H200
+        # (benchmarks/diag_sdpa_args.py). Exactly equivalent: no mask, then zero the
+        # rows that see no key (an additive constant does not change a softmax).
+        row = attn_mask[..., :1]
+        rows = row if row.dtype == torch.bool else row > float("-inf")
+        attn_mask = None
+    elif attn_mask is not None and q.device.type != "cpu":
+        # CUDA's fused kernels (efficient attention, H200, torch 2.11) return garbage,
+        # not zeros, for a row whose keys are all masked; CPU SDPA returns zeros.
+        # Found on the mask, broadcast over heads; no host sync: safe in CUDA graphs.
+        rows = attn_mask.any(-1, keepdim=True) if attn_mask.dtype == torch.bool else \
+            ~torch.isneginf(attn_mask).all(-1, keepdim=True)
+    out = op(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return out if rows is None else out.masked_fill(~rows, 0)
 
 
 def _unpack(args, kwargs):
@@ -162,8 +188,8 @@ class SDPARouter(TorchFunctionMode):
         op = self._route(b)
         if op is None:
             return func(*args, **kwargs)
-        return op(b["query"], b["key"], b["value"], b["attn_mask"], bool(b["is_causal"]), b["scale"],
-                  bool(b["enable_gqa"]))
+        return attention(b["query"], b["key"], b["value"], b["attn_mask"], bool(b["is_causal"]), b["scale"],
+                         bool(b["enable_gqa"]), op)
 
     def _route(self, b):
         if self.mode == "opaque":
@@ -179,8 +205,9 @@ class SDPARouter(TorchFunctionMode):
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
         with torch.no_grad():
-            t_sdpa = median_seconds(lambda: sdpa(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
-            t_math = median_seconds(lambda: sdpa_math(q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"]))
+            args = (q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"])
+            t_sdpa = median_seconds(lambda: attention(*args, sdpa))
+            t_math = median_seconds(lambda: attention(*args, sdpa_math))
         self.timings[key] = (t_sdpa, t_math)
         self.choices[key] = t_math < 0.9 * t_sdpa  # a clear win only
 

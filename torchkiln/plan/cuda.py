@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..hardware import Hardware
+from ..passes import registry
 from ..recipe import Recipe
 from .common import base_passes, is_hf
 
@@ -36,6 +37,12 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     if graphs:
         options["triton.cudagraphs"] = True
         notes.append("sample input fixes the shapes: CUDA graphs remove kernel-launch overhead")
+    if graphs and not has_conv:
+        # Inductor's freezing concatenates Q/K/V GEMMs too, but after tracing: the opaque
+        # attention op then gets 3 copy kernels per layer to restore the traced strides.
+        # Fused before tracing, q/k/v are views of one GEMM output (needs the sample run).
+        passes.append(registry.make("concat_linear"))
+        notes.append("sibling linears (Q/K/V) fused into one GEMM before tracing: no split copies")
     if level == "O2":
         options["max_autotune"] = True
         notes.append("O2: max-autotune GEMM/conv selection (slow first compile, cached on disk)")

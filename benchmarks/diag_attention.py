@@ -1,0 +1,96 @@
+"""Why is torchkiln's own compiled transformer slower than stock torch.compile?
+Times variants of torchkiln's recipe (one change each) against the stock peers,
+interleaved in one process, then prints the top kernels of the slowest and the
+fastest variant.
+
+    python benchmarks/diag_attention.py --device cuda --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import torchkiln as tk
+from torchkiln import inputs, stock, zoo
+from torchkiln.candidates import KilnBuild
+from torchkiln.passes.compile import compile_model
+from torchkiln.plan import plan
+from torchkiln.timing import interleaved
+
+
+def variants(model, sample, device: str, graphs: bool, autotune: bool):
+    recipe = plan(model, tk.detect(), device, torch.bfloat16, "O1", {}, batch=inputs.batch_size(sample))
+    opts = dict(recipe.compile_options)
+    opts["triton.cudagraphs"] = graphs and device == "cuda"
+    nofreeze = {**opts, "freezing": False}
+    mk = {
+        "kiln as planned": (recipe, opts),
+        "kiln attention=sdpa": (recipe.replace(attention="sdpa"), opts),
+        # oneDNN-prepacked linears (CPU) need freezing: drop them with it.
+        "kiln freezing off": (recipe.without("onednn_linear"), nofreeze),
+        "kiln sdpa + freezing off": (recipe.without("onednn_linear").replace(attention="sdpa"), nofreeze),
+        "kiln keep mask": (recipe.replace(drop_all_ones_mask=False), opts),
+        "kiln without concat_linear": (recipe.without("concat_linear"), opts),
+    }
+    if autotune:
+        mk["kiln sdpa + max-autotune"] = (recipe.replace(attention="sdpa"), {**opts, "max_autotune": True})
+    out = {}
+    for name, (rec, o) in mk.items():
+        build = KilnBuild(model, rec, sample, False, [])
+        out[name] = build.call(compile_model(build.runner(), o, fullgraph=False, private=True), o["triton.cudagraphs"])
+    dev = torch.device(device)
+    low = torch.bfloat16
+    for r in stock.eager_recipes(low)[:1] + [r for r in stock.compile_recipes(dev, low, autotune)
+                                             if r.how == "cast"]:
+        if r.cuda_graphs == graphs or r.compile is False or r.mode == "max-autotune-no-cudagraphs":
+            out[r.name] = stock.build(r, model, dev)
+    print("recipe:", recipe)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="bert-base")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--graphs", action="store_true", help="torchkiln variants with CUDA graphs, peers reduce-overhead")
+    ap.add_argument("--budget", type=float, default=10.0)
+    ap.add_argument("--autotune", action="store_true", help="add max-autotune variants (slow to compile)")
+    a = ap.parse_args()
+    model, x = zoo.load(a.model, batch=a.batch)
+    model = model.to(a.device).eval()
+    args, kwargs = inputs.to(inputs.normalize(x), a.device)
+    fns = variants(model, (args, kwargs), a.device, a.graphs, a.autotune)
+    calls = {}
+    with torch.no_grad():
+        ref = model(*args, **kwargs)[0].float()
+        for n, f in fns.items():
+            for _ in range(3):
+                out = f(*args, **kwargs)
+            err = (out[0].float() - ref).abs().max().item() / ref.abs().max().item()
+            print(f"{n:36s} built, rel err {err:.2e}", flush=True)
+            calls[n] = (lambda f=f: f(*args, **kwargs))
+        times = interleaved(calls, torch.device(a.device), a.budget, min_rounds=5, prune=100)
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    best = min(med.values())
+    print(f"\n{a.model} bs{a.batch} bf16 graphs={a.graphs}")
+    for n, m in sorted(med.items(), key=lambda kv: kv[1]):
+        print(f"  {n:36s} {m:8.3f} ms  {m / best:5.2f}x best  ({len(times[n])} rounds)")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+    slow, fast = max(med, key=med.get), min(med, key=med.get)
+    for n in dict.fromkeys((slow, fast, "kiln as planned")):
+        with torch.no_grad(), profile(activities=acts) as prof:
+            for _ in range(5):
+                calls[n]()
+            torch.cuda.synchronize() if a.device == "cuda" else None
+        key = "self_cuda_time_total" if a.device == "cuda" else "self_cpu_time_total"
+        print(f"\n== {n}: top ops (5 calls)")
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=80))
+
+
+if __name__ == "__main__":
+    main()
