@@ -44,6 +44,11 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def is_oom(e: BaseException) -> bool:
+    """Out of device memory: always the caller's to handle, never a reason to step down."""
+    return isinstance(e, torch.OutOfMemoryError) if hasattr(torch, "OutOfMemoryError") else "out of memory" in str(e)
+
+
 def has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 

@@ -27,6 +27,7 @@ from torch import nn
 from . import _log, inputs
 from ._log import warn_once
 from .candidates import Candidate, candidates
+from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect
 from .modelutil import (
@@ -34,8 +35,8 @@ from .modelutil import (
     dtype_name,
     eval_mode,
     has_conv,
+    is_oom,
     model_device,
-    model_dtype,
     parse_dtype,
     tensors,
     training_module,
@@ -51,11 +52,7 @@ SCOPES = ("auto", "torchkiln")
 VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
 
 
-def _oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) if hasattr(torch, "OutOfMemoryError") else "out of memory" in str(e)
-
-
-class KilnModule(nn.Module):
+class KilnModule(OriginalFace):
     """An optimized model that behaves like the original: calls, parameters,
     buffers, modules, ``state_dict`` both ways, attribute access, no-op moves.
     ``kiln_report`` says what serves the calls and why."""
@@ -126,7 +123,7 @@ class KilnModule(nn.Module):
         try:
             return self._serve(fn, args, kwargs)
         except Exception as e:
-            if _oom(e) or self._served.kind == "original":
+            if is_oom(e) or self._served.kind == "original":
                 raise
             with self._lock:
                 if self._fn is fn:
@@ -266,7 +263,7 @@ class KilnModule(nn.Module):
                 out = fn(*args, **kwargs)
             return fn, out, None
         except Exception as e:
-            if _oom(e):
+            if is_oom(e):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 return None, None, "out of memory (skipped)"
@@ -311,7 +308,7 @@ class KilnModule(nn.Module):
                     for _ in range(warm):
                         call()
             except Exception as e:
-                if _oom(e):
+                if is_oom(e):
                     raise
                 errors[name] = e
                 continue
@@ -398,7 +395,7 @@ class KilnModule(nn.Module):
         try:
             out = self._serve(self._fn, args, kwargs)
         except Exception as e:
-            if _oom(e) or self._served.kind == "original":
+            if is_oom(e) or self._served.kind == "original":
                 raise
             return self._step_down(args, kwargs, f"{type(e).__name__}: {_first_line(e)}", ref)
         if ref is not None and self._served.kind != "original":
@@ -435,9 +432,6 @@ class KilnModule(nn.Module):
         return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
 
     # ------------------------------------------------------- the original's face
-    def state_dict(self, *args, **kwargs):
-        return self.kiln_original.state_dict(*args, **kwargs)
-
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads into the original; the next call (now, with a sample_input) rebuilds and re-verifies."""
         with self._lock:
@@ -448,30 +442,6 @@ class KilnModule(nn.Module):
             self(*self._sample[0], **self._sample[1])
         return result
 
-    def named_parameters(self, *args, **kwargs):
-        return self.kiln_original.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.kiln_original.named_buffers(*args, **kwargs)
-
-    def named_children(self):
-        return self.kiln_original.named_children()
-
-    def named_modules(self, *args, **kwargs):
-        return self.kiln_original.named_modules(*args, **kwargs)
-
-    def parameters(self, recurse: bool = True):
-        return self.kiln_original.parameters(recurse)
-
-    def buffers(self, recurse: bool = True):
-        return self.kiln_original.buffers(recurse)
-
-    def children(self):
-        return self.kiln_original.children()
-
-    def modules(self):
-        return self.kiln_original.modules()
-
     def train(self, mode: bool = True):
         if mode:
             raise RuntimeError("this model was optimized for inference; train() would not train it. For "
@@ -479,54 +449,10 @@ class KilnModule(nn.Module):
                                ".train(), optimizer=opt, ...)")
         return self  # eval(): inference is all it does already
 
-    def to(self, *args, **kwargs):
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        self._check_move(device, dtype)
-        return self
-
-    def cuda(self, device=None):
-        idx = device if isinstance(device, int) else (torch.device(device).index if device is not None else None)
-        self._check_move(torch.device("cuda", idx if idx is not None else torch.cuda.current_device()), None)
-        return self
-
-    def cpu(self):
-        self._check_move(torch.device("cpu"), None)
-        return self
-
-    def _apply(self, fn, *args, **kwargs):
-        # .half(), .float(), .double(), .bfloat16(), .type(), .xpu(), ...: a no-op when
-        # every tensor of the original would stay the very same object.
-        for t in tensors(self.kiln_original):
-            if fn(t) is not t:
-                self._refuse_move("this conversion")
-        return self
-
-    def _check_move(self, device, dtype) -> None:
-        here = torch.device(self.kiln_recipe.device)
-        if device is not None:
-            device = torch.device(device)
-            same = device.type == here.type and (device.index is None or device.index == (here.index or 0))
-            if not same and device != model_device(self.kiln_original):
-                self._refuse_move(f"moving it to {device}")
-        if dtype is not None and dtype != model_dtype(self.kiln_original):
-            self._refuse_move(f"casting it to {dtype}")
-
-    def _refuse_move(self, what: str):
-        raise RuntimeError(
-            f"this model was optimized for {self.kiln_recipe.device}/{self.kiln_recipe.dtype}; {what} would "
-            "invalidate the compiled kernels. Move the original and optimize again: "
-            "tk.optimize(model.kiln_original.to(...), ...)")
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name.startswith("kiln_") or name.startswith("_"):
-                raise
-            attr = getattr(self.kiln_original, name)
-            if name == "generate" and callable(attr):
-                return _unoptimized(attr, name)
-            return attr
+    def _attr(self, name: str, attr):
+        if name == "generate" and callable(attr):
+            return _unoptimized(attr, name)
+        return attr
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"
@@ -553,7 +479,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     _log.configure()
     t0 = time.perf_counter()
     _validate_model(model)
-    if isinstance(model, KilnModule):
+    if isinstance(model, KilnModule) and optimizer is None:
         warn_once("already", "torchkiln: model is already optimized; returned unchanged. "
                   "To re-plan, call tk.optimize(model.kiln_original, ...)")
         return (model, optimizer) if optimizer is not None else model
@@ -564,20 +490,20 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         if k in knobs:
             warn_once(f"intel:{k}", f"torchkiln: {k} is an Intel-IPEX-only knob with no vendor-neutral "
                       "meaning; accepted and ignored")
-    if optimizer is not None:
-        warn_once("optimizer", "torchkiln: training optimisation is not implemented yet; model and "
-                  "optimizer are returned unchanged")
-        return model, optimizer
     if level not in ("O0", "O1", "O2"):
         raise ValueError(f"level={level!r} is not one of 'O0' (nothing), 'O1' (safe default), 'O2' (aggressive)")
     if verify not in VERIFY:
         raise ValueError(f"verify={verify!r} is not one of {VERIFY}: 'shapes' checks the first {VERIFIED_SHAPES} "
                          "input shapes against the original, 'first' only the first call, 'off' none")
+    if not isinstance(time_budget, (int, float)) or time_budget < 0:
+        raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
+    if optimizer is not None:
+        from .training import optimize_training
+
+        return optimize_training(model, optimizer, dtype, level, sample_input, device, verify, time_budget, knobs)
     if candidates not in SCOPES:
         raise ValueError(f"candidates={candidates!r} is not one of {SCOPES}: 'auto' times torchkiln's recipe "
                          "against eager and the stock torch.compile recipe, 'torchkiln' only its own")
-    if not isinstance(time_budget, (int, float)) or time_budget < 0:
-        raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
     training = training_module(model)
     if training is not None:
         where = "the model" if training == "" else f"submodule {training!r}"
@@ -612,7 +538,9 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
 
 def report(model: nn.Module) -> Report:
     """The report of an optimized model (also ``model.kiln_report``)."""
-    if not isinstance(model, KilnModule):
+    from .training import TrainModule
+
+    if not isinstance(model, (KilnModule, TrainModule)):
         raise TypeError(f"report() expects a model returned by tk.optimize(), got {type(model).__name__}")
     return model.kiln_report
 

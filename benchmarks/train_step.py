@@ -1,0 +1,123 @@
+"""A full training step (forward, backward, optimizer step), torchkiln against the
+stock recipes, interleaved in one process; prints ratios, tokens/s and MFU.
+
+    python benchmarks/train_step.py --device cpu  --model bert-base   --batch 8  --seq 128
+    python benchmarks/train_step.py --device cuda --model gpt2-medium --batch 16 --seq 512
+
+Peers, each on its own copy of the model:
+  eager fp32          the loop as written, AdamW (torch's default, foreach)
+  compile+autocast    torch.compile(model), autocast in the loop, AdamW(fused=True)
+  torchkiln           tk.optimize(model, optimizer=AdamW(...), dtype=...), the loop unchanged
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import statistics
+import sys
+import time
+
+import torch
+
+import torchkiln as tk
+from torchkiln.bench import gemm_peak
+from torchkiln.timing import interleaved
+
+CONFIGS = {  # transformers config class, model class, config overrides (random init, no download)
+    "bert-base": ("BertConfig", "BertForMaskedLM", {}),
+    "bert-large": ("BertConfig", "BertForMaskedLM", {"hidden_size": 1024, "num_hidden_layers": 24,
+                                                     "num_attention_heads": 16, "intermediate_size": 4096}),
+    "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+}
+
+
+def build(name: str, device: str):
+    import transformers
+
+    cfg_cls, model_cls, over = CONFIGS[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **over)
+    return getattr(transformers, model_cls)(cfg).to(device).train()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="bert-base", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget", type=float, default=30.0, help="seconds of interleaved timing")
+    ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    low = getattr(torch, a.dtype)
+    base = build(a.model, a.device)
+    n_params = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), generator=g).to(dev)
+    batch = {"input_ids": ids, "labels": ids}
+    steps, notes = {}, {}
+    want = a.peers.split(",")
+
+    def make_step(model, opt, autocast):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(dev.type, dtype=low, enabled=autocast):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+        return step
+
+    t0 = time.perf_counter()
+    if "eager fp32" in want:
+        m = copy.deepcopy(base)
+        steps["eager fp32"] = make_step(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
+    if "compile+autocast" in want:
+        m = copy.deepcopy(base)
+        steps[f"compile+autocast {a.dtype} +fused AdamW"] = make_step(
+            torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
+    if "torchkiln" in want:
+        m = copy.deepcopy(base)
+        fast, opt = tk.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), dtype=low,
+                                sample_input=batch)
+        steps["torchkiln"] = make_step(fast, opt, False)
+        notes["torchkiln"] = str(fast.kiln_report)
+    for name, s in steps.items():  # compile and warm up outside the clock
+        t = time.perf_counter()
+        for _ in range(2):
+            s()
+        print(f"  built {name} ({time.perf_counter() - t:.1f} s warm-up)", flush=True)
+    times = interleaved(steps, dev, a.budget, min_rounds=5, prune=100)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    tokens = a.batch * a.seq
+    # Training FLOPs: 6 per parameter per token (forward 2, backward 4), attention left out.
+    flops = 6 * n_params * tokens
+    try:
+        peak, peak_dtype = gemm_peak(low, dev) * 1e9, a.dtype
+    except RuntimeError:  # no bf16 GEMM on this CPU (AVX2): MFU against the fp32 peak
+        peak, peak_dtype = gemm_peak(torch.float32, dev) * 1e9, "float32"
+    lines = [f"\n### {datetime.date.today()} train step {a.model} bs{a.batch} seq{a.seq} on {dev.type} "
+             f"({torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, torch {torch.__version__})",
+             f"\nCommand: `python {' '.join(sys.argv)}` ({n_params / 1e6:.0f}M parameters; {len(times['torchkiln'] if 'torchkiln' in times else next(iter(times.values())))} "  # noqa: E501
+             f"interleaved rounds; measured {peak_dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s)\n",
+             "| peer | ms/step | tokens/s | MFU (vs measured GEMM peak) | x eager fp32 |", "|---|---|---|---|---|"]
+    ref = med.get("eager fp32")
+    for n, m in sorted(med.items(), key=lambda kv: kv[1]):
+        lines.append(f"| {n} | {1e3 * m:.1f} | {tokens / m:,.0f} | {flops / m / peak:.1%} | "
+                     + (f"{ref / m:.2f}x |" if ref else "- |"))
+    if "torchkiln" in med:
+        peers = {n: m for n, m in med.items() if n != "torchkiln"}
+        if peers:
+            best = min(peers, key=peers.get)
+            lines.append(f"\ntorchkiln vs best stock peer ({best}): {peers[best] / med['torchkiln']:.2f}x")
+    print("\n".join(lines))
+    for n, txt in notes.items():
+        print(f"\n{n} report:\n{txt}")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""DDP with 2 CPU processes (gloo): torchkiln's training pair, wrapped before or after
+tk.optimize, matches one process on the whole batch."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torchkiln as tk
+
+STEPS, BATCH = 4, 16
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10)).train()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def _worker(rank, world, init, order, out):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = net()
+        if order == "ddp-first":
+            ddp = DDP(model)
+            fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-2), time_budget=0)
+        else:
+            fast, opt = tk.optimize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    time_budget=0)
+            fast = DDP(fast)
+        for s in range(STEPS):
+            x, y = batch(s)
+            half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+            opt.zero_grad()
+            nn.functional.cross_entropy(fast(x[half]), y[half]).backward()
+            opt.step()
+        if rank == 0:
+            torch.save([p.detach() for p in model.parameters()], out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes, each compiling: about 50 s on 2 cores
+@pytest.mark.parametrize("order", ["ddp-first", "ddp-after"])
+def test_ddp_two_processes_match_one(order):
+    ref = net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()  # the mean over the whole batch
+        opt.step()
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "params.pt")
+        mp.spawn(_worker, args=(2, f"file://{d}/store", order, out), nprocs=2, join=True)
+        got = torch.load(out)
+    for p, q in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5)

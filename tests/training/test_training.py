@@ -1,0 +1,267 @@
+"""tk.optimize(model, optimizer=...): the training pair."""
+
+import copy
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+import torchkiln.training as tr
+from torchkiln.training import TrainModule
+
+
+def net(dropout=0.0, bn=False):
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(64) if bn else nn.LayerNorm(64)
+    return nn.Sequential(nn.Linear(32, 64), norm, nn.GELU(), nn.Dropout(dropout), nn.Linear(64, 10)).train()
+
+
+def data(n=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def with_bf16(monkeypatch):
+    """Plan as if this CPU had native bf16 (emulated bf16 still computes correctly here)."""
+    hw = tk.detect()
+    fake = replace(hw, cpu=replace(hw.cpu, features=tuple(hw.cpu.features) + ("avx512_bf16",)))
+    monkeypatch.setattr(tr, "detect", lambda: fake)
+
+
+def train(model, opt, steps, sched=None, clip=None, seed=2):
+    x, y = data(seed=seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched:
+            sched.step()
+    return loss.item()
+
+
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=1e-2),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_same_optimizer_object_fused_and_updates_match_stock(name):
+    # Reference: the same loop with the stock (foreach) optimizer on an untouched copy.
+    ref = net()
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 5, 0.5)
+    model = copy.deepcopy(ref)
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)  # made before optimize: must keep working
+    fast, fast_opt = tk.optimize(model, optimizer=opt, sample_input=data()[0], time_budget=0)
+    assert fast_opt is opt and all(g["fused"] for g in opt.param_groups)
+    assert isinstance(fast, TrainModule)
+    assert [p for p in fast.parameters()] == [p for p in model.parameters()]
+    train(fast, opt, 15, sched, clip=1.0)
+    train(ref, ref_opt, 15, ref_sched, clip=1.0)
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] < OPTIMIZERS[name]([torch.zeros(1)]).defaults["lr"]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_without_fused_step_keeps_its_own_and_says_so():
+    model = net()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fast, _ = tk.optimize(model, optimizer=opt)
+    assert "fused" not in opt.defaults or not opt.defaults["fused"]
+    assert fast.kiln_recipe.optimizer == "own step"
+    assert any("RMSprop" in str(x.message) for x in w)
+
+
+def test_checkpoints_load_both_ways():
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fast, opt = tk.optimize(model, optimizer=opt, time_budget=0)
+    train(fast, opt, 3)
+    ckpt = {"model": copy.deepcopy(fast.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    assert not any(k.startswith(("kiln", "_orig_mod", "model.")) for k in ckpt["model"])
+    # Into plain PyTorch: a fresh model and a stock (non-fused) optimizer ...
+    plain = net()
+    plain.load_state_dict(ckpt["model"])
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_opt.load_state_dict(ckpt["opt"])
+    for g in plain_opt.param_groups:
+        g["fused"], g["foreach"] = None, None
+    # ... and continuing there equals continuing here.
+    train(fast, opt, 3, seed=5)
+    train(plain, plain_opt, 3, seed=5)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # The reverse: a stock checkpoint into the optimized pair.
+    fast.load_state_dict(plain.state_dict())
+    opt.load_state_dict(plain_opt.state_dict())
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_setup_leaves_grads_buffers_and_rng_untouched():
+    model = net(dropout=0.2, bn=True)
+    x, y = data()
+    nn.functional.cross_entropy(model(x), y).backward()  # grads already there
+    grads = [p.grad.clone() for p in model.parameters()]
+    stats = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sample_input=x, time_budget=0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert all(torch.equal(b, s) for b, s in zip(model.buffers(), stats, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and model[3].training  # dropout back on
+
+
+def test_guard_rejects_a_wrong_compiled_step(monkeypatch):
+    build = TrainModule._build
+
+    def wrong(self):
+        build(self)
+        eager = self._eager
+        object.__setattr__(self, "_compiled", lambda *a, **k: eager(*a, **k) * 1.01)  # a 1% error
+
+    monkeypatch.setattr(TrainModule, "_build", wrong)
+    model = net()
+    with pytest.warns(UserWarning, match="rejected"):
+        fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              sample_input=data()[0], time_budget=0)
+    assert fast.kiln_report.active.startswith("eager")
+    assert "loss" in fast.kiln_report.fallbacks[0].reason or "gradient" in fast.kiln_report.fallbacks[0].reason
+
+
+def test_later_failure_of_the_compiled_step_steps_down_to_eager():
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    x, y = data()
+    fast(x)
+    object.__setattr__(fast, "_fn", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("inductor broke")))
+    with pytest.warns(UserWarning, match="stepping down"):
+        out = fast(x)
+    torch.testing.assert_close(out, model(x))
+    assert fast.kiln_report.active == "eager" and "inductor broke" in fast.kiln_report.fallbacks[-1].reason
+
+
+def test_train_eval_switching_and_no_grad():
+    model = net(dropout=0.5)
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    x, _ = data()
+    fast.eval()
+    assert not model.training and not fast.training
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), fast(x))  # dropout off: deterministic
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-6)
+    fast.train()
+    assert model.training and model[3].training
+
+
+def test_bf16_autocast_with_fp32_parameters(monkeypatch):
+    with_bf16(monkeypatch)
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fast, opt = tk.optimize(model, optimizer=opt, dtype=torch.bfloat16, sample_input=data()[0], time_budget=0)
+    r = fast.kiln_recipe
+    assert (r.dtype, r.precision) == ("bfloat16", "autocast")
+    x, y = data()
+    out = fast(x)
+    assert out.dtype == torch.float32  # back in the input's dtype for the loss
+    nn.functional.cross_entropy(out, y).backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert fast.kiln_report.guard["ok"]
+
+
+def test_bf16_without_native_support_trains_fp32_with_a_warning(monkeypatch):
+    hw = tk.detect()
+    plain = replace(hw, cpu=replace(hw.cpu, features=tuple(f for f in hw.cpu.features
+                                                             if f not in ("avx512_bf16", "amx_bf16", "bf16"))))
+    monkeypatch.setattr(tr, "detect", lambda: plain)
+    model = net()
+    with pytest.warns(UserWarning, match="no native bf16"):
+        fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16)
+    assert fast.kiln_recipe.dtype == "float32"
+
+
+def test_fp16_on_a_cpu_without_fp16_is_an_error_naming_the_alternative():
+    model = net()
+    if tk.detect().cpu.fp16_native:
+        pytest.skip("this CPU has native fp16")
+    with pytest.raises(ValueError, match=r"float16.*(bfloat16|None)"):
+        tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.float16)
+
+
+def test_bad_input_gets_clear_errors():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"eval mode.*model.train\(\)"):
+        tk.optimize(copy.deepcopy(model).eval(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not the model's"):
+        tk.optimize(model, optimizer=torch.optim.SGD(net().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        tk.optimize(model, optimizer="adam")
+    fast, opt = tk.optimize(model, optimizer=opt)
+    with pytest.raises(ValueError, match="already optimized"):
+        tk.optimize(fast, optimizer=opt)
+    with pytest.raises(ValueError, match="already optimized"):
+        tk.optimize(model, optimizer=opt)
+
+
+def test_grad_scaler_and_accumulation_work_with_the_pair():
+    model = net()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    fast, opt = tk.optimize(model, optimizer=opt, time_budget=0)
+    scaler, ref_scaler = tk.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for m, o, s in ((fast, opt, scaler), (ref, ref_opt, ref_scaler)):
+        for step in range(4):
+            x, y = data(seed=10 + step)
+            s.scale(nn.functional.cross_entropy(m(x), y) / 2).backward()  # accumulate 2 micro-batches
+            if step % 2 == 1:
+                s.step(o)
+                s.update()
+                o.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_deepcopy_and_pickle_of_the_training_model():
+    import pickle
+
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    x, _ = data()
+    for copied in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        torch.testing.assert_close(copied(x), fast(x), rtol=1e-5, atol=1e-6)
+        assert copied.kiln_original is not model
+
+
+class FunctionalDropout(nn.Module):
+    """Dropout decided by the module's own training flag, as transformers' attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.b(nn.functional.dropout(torch.relu(self.a(x)), 0.5, self.training))
+
+
+def test_guard_compares_without_any_dropout_noise():
+    model = FunctionalDropout().train()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sample_input=data()[0],
+                          time_budget=0)
+    compiled = next(m for m in fast.kiln_report.candidates if m.kind == "torchkiln")
+    assert compiled.status in ("served", "passed"), compiled.reason
+    assert fast.kiln_report.guard["ok"] and model.training

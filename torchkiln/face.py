@@ -1,0 +1,96 @@
+"""The original model's face: what a model returned by torchkiln shows of itself.
+
+Parameters, buffers, modules and ``state_dict`` are the original's own tensors (an
+optimizer, a checkpoint or an EMA sees exactly what the user built); moves and
+casts that change nothing are no-ops, and ones that would change something raise.
+Subclasses hold ``kiln_original`` and ``kiln_recipe`` (with ``device`` and ``dtype``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .modelutil import model_device, model_dtype, tensors
+
+
+class OriginalFace(nn.Module):
+    def state_dict(self, *args, **kwargs):
+        return self.kiln_original.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.kiln_original.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.kiln_original.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.kiln_original.named_buffers(*args, **kwargs)
+
+    def named_children(self):
+        return self.kiln_original.named_children()
+
+    def named_modules(self, *args, **kwargs):
+        return self.kiln_original.named_modules(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        return self.kiln_original.parameters(recurse)
+
+    def buffers(self, recurse: bool = True):
+        return self.kiln_original.buffers(recurse)
+
+    def children(self):
+        return self.kiln_original.children()
+
+    def modules(self):
+        return self.kiln_original.modules()
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        self._check_move(device, dtype)
+        return self
+
+    def cuda(self, device=None):
+        idx = device if isinstance(device, int) else (torch.device(device).index if device is not None else None)
+        self._check_move(torch.device("cuda", idx if idx is not None else torch.cuda.current_device()), None)
+        return self
+
+    def cpu(self):
+        self._check_move(torch.device("cpu"), None)
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .half(), .float(), .double(), .bfloat16(), .type(), .xpu(), ...: a no-op when
+        # every tensor of the original would stay the very same object.
+        for t in tensors(self.kiln_original):
+            if fn(t) is not t:
+                self._refuse_move("this conversion")
+        return self
+
+    def _check_move(self, device, dtype) -> None:
+        here = torch.device(self.kiln_recipe.device)
+        if device is not None:
+            device = torch.device(device)
+            same = device.type == here.type and (device.index is None or device.index == (here.index or 0))
+            if not same and device != model_device(self.kiln_original):
+                self._refuse_move(f"moving it to {device}")
+        if dtype is not None and dtype != model_dtype(self.kiln_original):
+            self._refuse_move(f"casting it to {dtype}")
+
+    def _refuse_move(self, what: str):
+        raise RuntimeError(
+            f"this model was optimized for {self.kiln_recipe.device}/{self.kiln_recipe.dtype}; {what} would "
+            "invalidate the compiled kernels. Move the original and optimize again: "
+            "tk.optimize(model.kiln_original.to(...), ...)")
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("kiln_") or name.startswith("_"):
+                raise
+            return self._attr(name, getattr(self.kiln_original, name))
+
+    def _attr(self, name: str, attr):
+        """Subclasses may wrap what is forwarded from the original (say, a method)."""
+        return attr

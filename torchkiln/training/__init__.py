@@ -1,0 +1,86 @@
+"""Training: ``model, optimizer = tk.optimize(model, optimizer=opt, dtype=...)``.
+
+Plan (recipe.py: precision per device), optimizer (fuse.py: torch's fused step,
+same object), candidates (module.py: eager vs compiled forward+backward, verified
+on one step's loss and gradients, timed, the faster served). The returned model's
+parameters and state_dict are the original's, so checkpoints load both ways and
+the optimizer needs no change.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+from torch import nn
+
+from .. import inputs
+from .._log import warn_once
+from ..hardware import detect
+from ..modelutil import model_device, parse_dtype
+from ..report import Report
+from . import fuse as _fuse
+from .module import AutocastStep, TrainModule
+from .recipe import TrainRecipe, plan_training
+
+__all__ = ["optimize_training", "TrainModule", "TrainRecipe", "AutocastStep"]
+
+_DONE: weakref.WeakSet = weakref.WeakSet()  # optimizers already handed to optimize_training
+
+
+def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=None, level: str = "O1",
+                      sample_input=None, device=None, verify: str = "shapes", time_budget: float = 2.0,
+                      knobs: dict | None = None) -> tuple[TrainModule, torch.optim.Optimizer]:
+    knobs = knobs or {}
+    t0 = time.perf_counter()
+    _validate(model, optimizer)
+    here = model_device(model)
+    if device is not None and torch.device(device).type != here.type:
+        raise ValueError(f"device={str(device)!r}, but the model's parameters are on {here}; for training, move "
+                         f"the model (and build the optimizer after) first: model.to({str(device)!r})")
+    compute = parse_dtype(dtype)
+    hw = detect()
+    dev = str(here) if here.type == "cpu" or here.index is not None else f"{here.type}:0"
+    kind, why = _fuse.choose(optimizer, level)
+    recipe = plan_training(hw, dev, compute, level, knobs, (kind, why))  # may raise: nothing changed yet
+    if recipe.dtype != str(compute).removeprefix("torch."):
+        warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
+    if kind == "own step":
+        warn_once(f"train-opt:{type(optimizer).__name__}", f"torchkiln: {why}")
+    if kind == "fused":
+        _fuse.fuse(optimizer)
+    _DONE.add(optimizer)
+    report = Report(recipe=recipe.to_dict(),
+                    applied=[f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"])
+    tm = TrainModule(model, recipe, report, verify, float(time_budget))
+    if sample_input is not None and recipe.compile:
+        args, kwargs = inputs.to(inputs.normalize(sample_input), here)
+        tm._setup(args, kwargs)
+    report.optimize_seconds = round(time.perf_counter() - t0, 3)
+    return tm, optimizer
+
+
+def _validate(model: nn.Module, optimizer) -> None:
+    if isinstance(model, TrainModule) or optimizer in _DONE:
+        raise ValueError("this model/optimizer pair was already optimized by torchkiln; use the pair "
+                         "tk.optimize returned the first time (optimizing twice would wrap it twice)")
+    from ..optimize import KilnModule
+
+    if isinstance(model, KilnModule):
+        raise ValueError("this model was optimized for inference; for training pass the original: "
+                         "tk.optimize(model.kiln_original.train(), optimizer=opt, ...)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer= expects a torch.optim.Optimizer (or tk.optim.Lamb/Lars), got "
+                        f"{type(optimizer).__name__}")
+    if not model.training:
+        raise ValueError("the model is in eval mode but an optimizer was given. For training call model.train() "
+                         "before tk.optimize(model, optimizer=opt, ...); for inference leave out optimizer=")
+    mine = {id(p) for p in model.parameters()}
+    theirs = [p for g in optimizer.param_groups for p in g["params"]]
+    if not theirs:
+        raise ValueError("optimizer= holds no parameters; build it over model.parameters()")
+    foreign = sum(id(p) not in mine for p in theirs)
+    if foreign:
+        raise ValueError(f"optimizer= holds {foreign} of {len(theirs)} parameters that are not the model's; build "
+                         "it over this model's parameters: torch.optim.AdamW(model.parameters(), ...)")

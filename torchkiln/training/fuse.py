@@ -1,0 +1,75 @@
+"""Make the user's torch optimizer take fused steps, in place.
+
+The object stays the same, so an LR scheduler or GradScaler made before or after
+tk.optimize keeps working: only its param groups' ``fused``/``foreach`` flags
+change, as if it had been built with ``fused=True``. torch decides which classes
+and devices have fused kernels; whether one does is asked of torch itself (by
+building a throwaway optimizer with ``fused=True``), so this stays right as torch
+adds kernels. Classes without a fused kernel keep their own step; torchkiln's own
+optimizers (tk.optim) are fast as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..modelutil import dtype_name
+
+
+@functools.lru_cache(maxsize=64)
+def fused_supported(cls: type, device_type: str, dtype: torch.dtype) -> bool:
+    """Does torch have a fused step for this optimizer class on this device and dtype?"""
+    try:
+        if "fused" not in inspect.signature(cls).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    try:
+        p = torch.zeros(1, device=device_type, dtype=dtype, requires_grad=True)
+        cls([p], lr=0.1, fused=True)
+    except Exception:
+        return False
+    return True
+
+
+def _params(optimizer):
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def choose(optimizer: torch.optim.Optimizer, level: str) -> tuple[str, str]:
+    """What to do with ``optimizer`` (nothing changes yet): (kind, why); kind "fused" means
+    ``fuse()`` will switch it to torch's fused step."""
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.startswith("torchkiln.optim"):
+        return "torchkiln", f"{name} is torchkiln's own (multi-tensor) step"
+    if level == "O0":
+        return "unchanged", f"{name} unchanged (O0)"
+    params = _params(optimizer)
+    kinds = {(p.device.type, p.dtype) for p in params}
+    if any(g.get("differentiable") for g in optimizer.param_groups):
+        return "own step", f"{name}(differentiable=True) has no fused step; kept as is"
+    if any(p.is_sparse or not p.is_floating_point() for p in params) or not all(
+            fused_supported(type(optimizer), d, t) for d, t in kinds):
+        where = ", ".join(sorted(f"{d}/{dtype_name(t)}" for d, t in kinds))
+        return "own step", f"torch has no fused {name} step for {where}; its own step is kept"
+    if all(g.get("fused") for g in optimizer.param_groups):
+        return "fused", f"{name} was already fused"
+    return "fused", f"{name} switched to torch's fused step (fused=True), same object"
+
+
+def fuse(optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``optimizer`` (which ``choose`` said "fused" for) to torch's fused step, in place."""
+    for g in optimizer.param_groups:
+        g["fused"], g["foreach"] = True, False
+    optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
+    # As torch's own __init__ does for fused=True: GradScaler then hands the step its
+    # scale and inf flag instead of unscaling the gradients in a separate pass.
+    optimizer._step_supports_amp_scaling = True
+    # Fused kernels want step counters on the parameter's device (a warm optimizer has them on CPU).
+    for p in _params(optimizer):
+        st = optimizer.state.get(p, {})
+        if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+            st["step"] = st["step"].to(p.device, torch.float32)

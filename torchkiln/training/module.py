@@ -1,0 +1,198 @@
+"""TrainModule: the model tk.optimize returns for training. Its parameters, buffers
+and state_dict are the original's (the optimizer, a scheduler, a checkpoint see
+the very tensors the user built); calls run the fastest verified candidate.
+
+Candidates: the model eager (under autocast for bf16/fp16) and the same compiled
+(forward and backward, through torch.compile). At the first training call (or at
+``sample_input``) both take one step from the same state; the compiled step must
+match eager's loss and every gradient within the guard's tolerance (relative to
+what autocast itself costs, as for inference), and then they are timed; the
+faster one serves. A failure of the compiled step later steps down to eager on
+the same inputs (an out-of-memory error is re-raised).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import statistics
+import threading
+import time
+
+import torch
+from torch import nn
+
+from .. import inputs
+from .._log import warn_once
+from ..face import OriginalFace
+from ..guard import compare_each, tf32_allowed, tolerances, verdict
+from ..modelutil import DTYPES, has_conv, is_oom
+from ..passes.compile import Fresh
+from ..report import Fallback, Measurement, Report
+from ..timing import interleaved
+from . import probe
+from .recipe import TrainRecipe
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()  # warn-once keys per model (id() values are reused)
+
+
+class AutocastStep(nn.Module):
+    """The model under autocast, outputs back in the inputs' float dtype (float32
+    for token ids): a loss computed outside autocast then sees float32 as before."""
+
+    def __init__(self, model: nn.Module, device_type: str, dtype: torch.dtype | None):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        if self.dtype is None:
+            return self.model(*args, **kwargs)
+        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.model(*args, **kwargs)
+        return inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
+
+
+class TrainModule(OriginalFace):
+    def __init__(self, original: nn.Module, recipe: TrainRecipe, report: Report, verify: str, time_budget: float):
+        super().__init__()
+        s = object.__setattr__
+        s(self, "kiln_original", original)
+        s(self, "kiln_recipe", recipe)
+        s(self, "kiln_report", report)
+        s(self, "_opts", {"verify": verify, "time_budget": time_budget})
+        s(self, "_lock", threading.Lock())
+        s(self, "_uid", next(_ids))
+        self._build()
+        self.training = original.training
+
+    def _build(self) -> None:
+        rec = self.kiln_recipe
+        low = DTYPES[rec.dtype] if rec.precision == "autocast" else None
+        s = object.__setattr__
+        s(self, "_device", torch.device(rec.device))
+        s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
+        s(self, "_compiled", torch.compile(Fresh(self._eager)) if rec.compile else None)
+        s(self, "_fn", None)
+
+    def __getstate__(self):
+        return {"original": self.kiln_original, "recipe": self.kiln_recipe, "report": self.kiln_report,
+                "opts": self._opts, "training": self.training}
+
+    def __setstate__(self, state):
+        nn.Module.__init__(self)
+        s = object.__setattr__
+        for k, v in (("kiln_original", state["original"]), ("kiln_recipe", state["recipe"]),
+                     ("kiln_report", state["report"]), ("_opts", state["opts"]), ("_lock", threading.Lock()),
+                     ("_uid", next(_ids))):
+            s(self, k, v)
+        self._build()
+        self.training = state["training"]
+
+    def train(self, mode: bool = True):
+        self.kiln_original.train(mode)
+        self.training = mode
+        return self
+
+    # ------------------------------------------------------------------ calls
+    def forward(self, *args, **kwargs):
+        if self._fn is None and self._compiled is not None and self.kiln_original.training \
+                and torch.is_grad_enabled():
+            with self._lock:
+                if self._fn is None:
+                    self._setup(args, kwargs)
+        fn = self._fn if self._fn is not None else self._eager
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if fn is self._eager or is_oom(e):
+                raise
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else e!r}"
+            self.kiln_report.fallbacks.append(Fallback("compiled step", "eager", reason))
+            warn_once(f"train-fb:{self._uid}", f"torchkiln: the compiled training step failed ({reason}); "
+                      "stepping down to eager")
+            object.__setattr__(self, "_fn", self._eager)
+            self.kiln_report.active = "eager"
+            return self._eager(*args, **kwargs)
+
+    def _setup(self, args, kwargs) -> None:
+        """Verify the compiled step against eager, time both, serve the faster."""
+        report, t0 = self.kiln_report, time.perf_counter()
+        args, kwargs = inputs.tree_map(lambda t: t.detach(), (args, kwargs))
+        cands = {"eager": self._eager, "compiled": self._compiled}
+        rec = self.kiln_recipe
+        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})"}
+        report.candidates = [Measurement(names[n], "eager" if n == "eager" else "torchkiln", rec.dtype)
+                             for n in cands]
+        by = dict(zip(cands, report.candidates, strict=True))
+        passed = ["eager"]
+        try:
+            if self._opts["verify"] != "off":
+                ok, why = self._verify(args, kwargs)
+            else:
+                ok, why = True, "not verified (verify='off')"
+            if ok:
+                passed.append("compiled")
+            else:
+                by["compiled"].status, by["compiled"].reason = "failed", why
+                report.fallbacks.append(Fallback("compiled step", "eager", why))
+                warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step rejected ({why}); "
+                          "training runs eager")
+        except Exception as e:
+            if is_oom(e):
+                raise
+            why = f"{type(e).__name__}: {e}"[:300]
+            by["compiled"].status, by["compiled"].reason = "failed", why
+            report.fallbacks.append(Fallback("compiled step", "eager", why))
+            warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step failed ({why}); "
+                      "training runs eager")
+        best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
+        for n, m in by.items():
+            if m.status != "failed":
+                m.status = "served" if n == best else "passed"
+        object.__setattr__(self, "_fn", cands[best])
+        report.active = names[best]
+        report.dtype_served = rec.dtype
+        if best == "eager" and len(passed) > 1:
+            warn_once(f"train-eager:{self._uid}", "torchkiln: the compiled training step was not faster than "
+                      "eager here; eager serves (see model.kiln_report)")
+        report.first_call_seconds = round(time.perf_counter() - t0, 3)
+
+    def _verify(self, args, kwargs) -> tuple[bool, str]:
+        rec = self.kiln_recipe
+        with probe.untouched(self.kiln_original, self._device, dropout=False) as params:
+            ref = probe.step(self.kiln_original, params, args, kwargs)  # float32 eager: the truth
+            base = probe.step(self._eager, params, args, kwargs) if rec.precision == "autocast" else None
+            got = probe.step(self._compiled, params, args, kwargs)
+        dtype = DTYPES[rec.dtype]
+        tols = tolerances(dtype, compare_each(base, ref) if base is not None else None, len(ref),
+                          tf32_allowed(self._device, has_conv(self.kiln_original)))
+        v = verdict(got, ref, tols)
+        self.kiln_report.guard = {"compared": "loss and every gradient after one step", **v.to_dict()}
+        worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
+        self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
+        return v.ok, str(v).replace("output [0]", "loss").replace("output [", "gradient [")
+
+    def _time(self, fns: dict, by: dict, args, kwargs) -> str:
+        t0 = time.perf_counter()
+        errors: dict = {}
+        with probe.untouched(self.kiln_original, self._device) as params:
+            steps = {n: (lambda fn=fn: probe.step(fn, params, args, kwargs, keep=False)) for n, fn in fns.items()}
+            for f in steps.values():  # compile (and warm up) outside the clock
+                f()
+            times = interleaved(steps, self._device, self._opts["time_budget"], errors=errors)
+        for n, e in errors.items():
+            by[n].status, by[n].reason = "failed", f"{type(e).__name__}: {e}"[:300]
+        med = {n: statistics.median(t) for n, t in times.items() if t}
+        for n, m in med.items():
+            by[n].median_ms, by[n].calls_timed = round(1e3 * m, 4), len(times[n])
+        self.kiln_report.selection_seconds = round(time.perf_counter() - t0, 3)
+        best = min(med, key=med.get) if med else "eager"
+        if "eager" in med and best in med:
+            self.kiln_report.speedup = {"vs_eager": round(med["eager"] / med[best], 3)}
+        return best
+
+    def extra_repr(self) -> str:
+        return f"training, device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, " \
+               f"active={self.kiln_report.active!r}"

@@ -1,0 +1,75 @@
+"""One forward+backward of a training candidate, with no trace left behind.
+
+The training guard compares the loss and every gradient after one step against
+eager; timing runs whole steps. Both must leave the user's model as it was:
+gradients, buffers (BatchNorm running statistics) and the RNG state are saved
+and restored. The loss is a fixed random projection of the outputs (the user's
+loss function is not known here), so every output element gets a gradient.
+Dropout is switched off for the comparison only: compiled dropout draws other
+random numbers than eager, so with it on no two runs could agree. Models decide
+dropout on their own ``self.training`` too (transformers' attention passes
+``dropout_p`` to SDPA that way), so for the comparison every module goes to eval
+mode except batch-statistics norms, whose training mode is numerics, not noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..inputs import flatten
+
+_BATCH_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, device: torch.device, dropout: bool = True):
+    """Run steps inside; gradients, buffers and RNG come back as they were."""
+    params = trainable(model)
+    grads = [p.grad for p in params]
+    bufs = [(b, b.detach().clone()) for b in model.buffers()]
+    quiet = [] if dropout else [m for m in model.modules() if m.training and not isinstance(m, _BATCH_STATS)]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        for m in quiet:
+            m.training = False
+        with torch.random.fork_rng(devices=devices):
+            yield params
+    finally:
+        for m in quiet:
+            m.training = True
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        with torch.no_grad():
+            for b, v in bufs:
+                b.copy_(v)
+
+
+def proxy_loss(out, seed: int = 0) -> torch.Tensor | None:
+    leaves = [t for t in flatten(out) if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    return sum((t.float() * torch.randn(t.shape, generator=g).to(t.device)).sum() for t in leaves)
+
+
+def step(fn: Callable, params: list[nn.Parameter], args, kwargs, keep: bool = True) -> list[torch.Tensor]:
+    """[loss, *gradients] after one forward+backward of ``fn`` from zero gradients
+    (``keep=False``: for timing, nothing is copied out)."""
+    for p in params:
+        p.grad = None
+    loss = proxy_loss(fn(*args, **kwargs))
+    if loss is None:
+        raise ValueError("the model's outputs do not depend on any trainable parameter; nothing to train")
+    loss.backward()
+    if not keep:
+        return []
+    return [loss.detach()] + [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                              for p in params]
