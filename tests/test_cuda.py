@@ -1,6 +1,8 @@
 """CUDA paths. Skipped without a GPU (CI); run on the H200 whenever GPU code changes:
 see docs/gpu.md."""
 
+import copy
+
 import pytest
 import torch
 from threads import assert_threads_match_serial
@@ -137,3 +139,26 @@ def test_hf_encoder_keeps_fast_attention_under_compile(padded):
     keep = mask.bool()
     err = (out.last_hidden_state - ref)[keep].norm() / ref[keep].norm()
     assert err < o.kiln_report.tolerance
+
+
+def test_training_pair_on_cuda_fused_compiled_and_matching_stock():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 10)).cuda().train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    fast, opt2 = tk.optimize(model, optimizer=opt, dtype=torch.bfloat16, sample_input=x, time_budget=0.5)
+    assert opt2 is opt and opt.param_groups[0]["fused"]
+    assert fast.kiln_recipe.precision == "autocast" and fast.kiln_report.guard["ok"]
+    for m, o, ac in ((fast, opt, False), (ref, ref_opt, True)):
+        for _ in range(5):
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=ac):
+                loss = nn.functional.cross_entropy(m(x).float(), y)
+            loss.backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)

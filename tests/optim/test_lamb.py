@@ -99,8 +99,9 @@ def run_both(opt_factory, ref, model, data):
 
 
 def assert_matches(model, ref):
+    # 1e-4/1e-5 after 50 steps: the compiled kernels round (FMA, fused divides) a little differently.
     for p, w in zip(model.parameters(), ref.w, strict=True):
-        torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach(), w, rtol=1e-4, atol=1e-5)
 
 
 CASES = {
@@ -159,7 +160,7 @@ def test_trust_ratio_is_applied():
             backward(model, x, y)
             opt.step()
         results[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    torch.testing.assert_close(results["lamb-unadapted"], results["adam"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results["lamb-unadapted"], results["adam"], rtol=1e-4, atol=1e-5)
     assert (results["lamb"] - results["adam"]).abs().max() > 1e-2
 
 
@@ -295,3 +296,17 @@ def test_sparse_gradients_raise_before_any_update():
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert torch.equal(dense.weight, before)
+
+
+def test_the_compiled_kernels_serve_when_available(form, monkeypatch):
+    from torchkiln.optim import Lars, kernels
+
+    calls = []
+    real = kernels.step
+    monkeypatch.setattr(kernels, "step", lambda name, ts, h: calls.append(name) or real(name, ts, h))
+    model = make_model()
+    for opt in (Lamb(model.parameters(), lr=1e-3), Lars(model.parameters(), lr=0.1)):
+        backward(model, *next(iter(batches(1))))
+        opt.step()
+    n = len(list(model.parameters()))
+    assert calls == (["lamb"] * n + ["lars"] * n if form == "compiled" else [])

@@ -91,8 +91,9 @@ def run_both(opt, ref, model, data):
 
 
 def assert_matches(model, ref):
+    # 1e-4/1e-5 after 50 steps: the compiled kernels round (FMA, fused divides) a little differently.
     for p, w in zip(model.parameters(), ref.w, strict=True):
-        torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach(), w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("exclude", [None, "bias_and_norm"])
@@ -140,7 +141,7 @@ def test_excluded_is_sgd_and_adapted_is_not(nesterov):
             backward(model, x, y)
             opt.step()
         results[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    torch.testing.assert_close(results["lars-unadapted"], results["sgd"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results["lars-unadapted"], results["sgd"], rtol=1e-4, atol=1e-5)
     assert (results["lars"] - results["sgd"]).abs().max() > 1e-2
 
 

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from . import kernels
+
 BIAS_AND_NORM = "bias_and_norm"
 
 
@@ -190,10 +192,33 @@ class Lamb(_LayerwiseOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         return state
 
+    def _compiled_step(self, group, params, states, adapted: bool) -> int:
+        """The fused per-tensor form (kernels.py). Returns how many leading params it updated;
+        the rest take the _foreach form."""
+        tensors = [[p, p.grad, s["exp_avg"], s["exp_avg_sq"]] for p, s in zip(params, states, strict=True)]
+        if not kernels.usable([t for ts in tensors for t in ts]):
+            return 0
+        b1, b2 = group["betas"]
+        clip = group["trust_clip"] if group["trust_clip"] is not None else float("inf")
+        wd = group["weight_decay"] if adapted else 0.0
+        sign = -1.0 if group["maximize"] else 1.0
+        for i, (ts, s) in enumerate(zip(tensors, states, strict=True)):
+            t = float(s["step"]) + 1
+            bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+            if not kernels.step("lamb", ts, [group["lr"], b1, b2, bc1, bc2, group["eps"], wd, clip,
+                                             float(adapted), sign]):
+                return i  # this tensor is unchanged (its step counter too)
+            s["step"] += 1
+        return len(params)
+
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype,
                 adapted: bool) -> None:
         b1, b2 = group["betas"]
         states = [self._init_state(p, dtype) for p in params]
+        done = self._compiled_step(group, params, states, adapted)
+        params, states = params[done:], states[done:]
+        if not params:
+            return
         ws = [p.to(dtype) for p in params]
         gs = [p.grad.to(dtype) for p in params]
         if group["maximize"]:

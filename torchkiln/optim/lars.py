@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from . import kernels
 from .lamb import _check, _LayerwiseOptimizer
 
 
@@ -88,9 +89,27 @@ class Lars(_LayerwiseOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
         return state["momentum_buffer"]
 
+    def _compiled_step(self, group, params, dtype, adapted: bool) -> int:
+        """The fused per-tensor form (kernels.py). Returns how many leading params it updated;
+        the rest take the _foreach form."""
+        tensors = [[p, p.grad, self._buffer(p, dtype)] for p in params]
+        if not kernels.usable([t for ts in tensors for t in ts]):
+            return 0
+        wd = group["weight_decay"] if adapted else 0.0
+        hyper = [group["lr"], group["momentum"], wd, group["eta"], group["eps"], float(group["trust_clip"]),
+                 float(adapted), float(group["nesterov"])]
+        for i, ts in enumerate(tensors):
+            if not kernels.step("lars", ts, hyper):
+                return i
+        return len(params)
+
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], dtype: torch.dtype,
                 adapted: bool) -> None:
         momentum, wd = group["momentum"], group["weight_decay"]
+        done = self._compiled_step(group, params, dtype, adapted) if momentum else 0
+        params = params[done:]
+        if not params:
+            return
         ws = [p.to(dtype) for p in params]
         # For fp32 these alias p.grad: only read, never written (clip_grad_norm_ users may log them).
         d = [p.grad.to(dtype) for p in params]
