@@ -2,7 +2,7 @@
 
 Plan (recipe.py: precision per device), optimizer (fuse.py: torch's fused step,
 same object), candidates (module.py: eager vs compiled forward+backward, verified
-on one step's loss and gradients, timed, the faster served). The returned model's
+on one step's outputs and gradients, timed, the faster served). The returned model's
 parameters and state_dict are the original's, so checkpoints load both ways and
 the optimizer needs no change.
 """

@@ -5,7 +5,7 @@ the very tensors the user built); calls run the fastest verified candidate.
 Candidates: the model eager (under autocast for bf16/fp16) and the same compiled
 (forward and backward, through torch.compile). At the first training call (or at
 ``sample_input``) both take one step from the same state; the compiled step must
-match eager's loss and every gradient within the guard's tolerance (relative to
+match eager's outputs and every gradient within the guard's tolerance (relative to
 what autocast itself costs, as for inference), and then they are timed; the
 faster one serves. A failure of the compiled step later steps down to eager on
 the same inputs (an out-of-memory error is re-raised).
@@ -169,10 +169,15 @@ class TrainModule(OriginalFace):
         tols = tolerances(dtype, compare_each(base, ref) if base is not None else None, len(ref),
                           tf32_allowed(self._device, has_conv(self.kiln_original)))
         v = verdict(got, ref, tols)
-        self.kiln_report.guard = {"compared": "loss and every gradient after one step", **v.to_dict()}
+        n_out = len(ref) - len(params)
+        self.kiln_report.guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
+                                  **v.to_dict()}
         worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
         self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
-        return v.ok, str(v).replace("output [0]", "loss").replace("output [", "gradient [")
+        why = str(v)
+        if why.startswith("output [") and int(why[8:why.index("]")]) >= n_out:
+            why = f"gradient [{int(why[8:why.index(']')]) - n_out}]" + why[why.index("]") + 1:]
+        return v.ok, why
 
     def _time(self, fns: dict, by: dict, args, kwargs) -> str:
         t0 = time.perf_counter()
