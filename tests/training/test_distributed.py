@@ -1,5 +1,5 @@
-"""DDP with 2 CPU processes (gloo): torchkiln's training pair, wrapped before or after
-tk.optimize, matches one process on the whole batch."""
+"""DDP and FSDP2 with 2 CPU processes (gloo): torchkiln's training pair, wrapped before or
+after tk.optimize (FSDP2: fully_shard first), matches one process on the whole batch."""
 
 import os
 import tempfile
@@ -32,7 +32,15 @@ def _worker(rank, world, init, order, out):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = net()
-        if order == "ddp-first":
+        if order == "fsdp2-first":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (model[0], model[3]):
+                fully_shard(layer)
+            fully_shard(model)
+            fast, opt = tk.optimize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                    time_budget=0)
+        elif order == "ddp-first":
             ddp = DDP(model)
             fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-2), time_budget=0)
         else:
@@ -45,14 +53,15 @@ def _worker(rank, world, init, order, out):
             opt.zero_grad()
             nn.functional.cross_entropy(fast(x[half]), y[half]).backward()
             opt.step()
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2 shards
         if rank == 0:
-            torch.save([p.detach() for p in model.parameters()], out)
+            torch.save([p.detach() for p in full], out)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two processes, each compiling: about 50 s on 2 cores
-@pytest.mark.parametrize("order", ["ddp-first", "ddp-after"])
+@pytest.mark.parametrize("order", ["ddp-first", "ddp-after", "fsdp2-first"])
 def test_ddp_two_processes_match_one(order):
     ref = net()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
