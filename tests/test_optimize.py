@@ -246,20 +246,22 @@ def test_never_slower_serves_a_faster_peer_when_ours_is_slow(monkeypatch):
             self.fn = fn
 
         def forward(self, *a, **k):
-            time.sleep(0.05)
+            time.sleep(0.1)
             return self.fn(*a, **k)
 
     monkeypatch.setattr(cand_mod, "compile_model", lambda *a, **k: Slow(real(*a, **k)))
-    monkeypatch.setattr(cand_mod.Runner, "forward", lambda self, *a, **k: (time.sleep(0.05), self._call(a, k))[1])
+    monkeypatch.setattr(cand_mod.Runner, "forward", lambda self, *a, **k: (time.sleep(0.1), self._call(a, k))[1])
     log_mod._warned.clear()
     m, x = mlp(), torch.randn(4, 32)
     with pytest.warns(UserWarning, match="nothing of torchkiln's own beat"):
         o = tk.optimize(m, sample_input=x, graph_mode=False, time_budget=0.5)
     rep = o.kiln_report
-    assert rep.active == "eager"  # the model as given: 50 ms faster than our slowed path
+    assert rep.active == "eager"  # the model as given: 100 ms faster than our slowed path
     assert rep.speedup["vs_eager"] == 1.0
     by = {c.name: c for c in rep.candidates}
-    assert by["torchkiln eager passes (float32)"].median_ms > 40 > by["eager"].median_ms
+    # Relative, not absolute: a loaded 2-core machine once took 47 ms for this tiny MLP's eager call.
+    slowed = by["torchkiln eager passes (float32)"].median_ms
+    assert slowed > 90 and slowed > by["eager"].median_ms
     torch.testing.assert_close(o(x), m(x), rtol=0, atol=0)
 
 
