@@ -2,7 +2,6 @@
 local LR on the gradient, then momentum, global lr outside the buffer)."""
 
 import copy
-import io
 import re
 
 import pytest
@@ -11,36 +10,10 @@ from torch import nn
 
 from torchkiln.optim import Lars
 
+from .common import assert_resume_is_exact, backward, batches, make_model
+
 STEPS = 50
 LR = 0.1
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tensors of a few hundred elements: a second intra-op thread only adds OpenMP syncs, which cost
-    # seconds per test when another process is using the cores.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def make_model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 4)).to(dtype)
-
-
-def batches(n, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(32, 8, generator=g).to(dtype), torch.randn(32, 4, generator=g).to(dtype))
-            for _ in range(n)]
-
-
-def backward(model, x, y, max_norm=0.5):
-    model.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 class ReferenceLars:
@@ -186,28 +159,7 @@ def test_state_dict_round_trip_continues_exactly():
                    exclude_from_adaptation="bias_and_norm")
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 
-    def train(model, opt, sched, chunk):
-        for x, y in chunk:
-            backward(model, x, y)
-            opt.step()
-            sched.step()
-
-    model, opt, sched = setup()
-    train(model, opt, sched, data[:10])
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
-    train(model, opt, sched, data[10:])
-
-    buf.seek(0)
-    ckpt = torch.load(buf)
-    model2, opt2, sched2 = setup()
-    model2.load_state_dict(ckpt["model"])
-    opt2.load_state_dict(ckpt["opt"])
-    sched2.load_state_dict(ckpt["sched"])
-    assert set(opt2.state[next(model2.parameters())]) == {"momentum_buffer"}
-    train(model2, opt2, sched2, data[10:])
-    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
-        assert torch.equal(a, b)
+    assert_resume_is_exact(setup, data, {"momentum_buffer"})
 
 
 @pytest.mark.parametrize("kwargs, name", [
