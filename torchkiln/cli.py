@@ -50,6 +50,7 @@ def _cmd_doctor(args) -> int:
         f"transformers {sw['transformers'] or '-'}; torch backends: {backends}"
     )
     print(f"Devices  {', '.join(report['devices'])}  (default: {report['default_device']})")
+    print(f"Malloc   {doctor.allocator_line(doctor.allocators())}")
     for p in report["problems"]:
         print(f"PROBLEM  {p['device']}: {p['detail']}\n  cause: {p['cause']}\n  fix:   {p['fix']}")
     return 0
@@ -70,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_doctor)
 
     from . import commands
+    from .runtime import command as run_command
 
     commands.register(sub, common)
+    run_command.register(sub, common)
     return p
 
 

@@ -154,3 +154,18 @@ def run(timeout: float | None = None) -> dict:
         "default_device": default_device(hw),
         "problems": [p.__dict__ for p in probs],
     }
+
+
+def allocators() -> dict[str, str | None]:
+    """The allocators `torchkiln run` can preload: name -> path, or None when not found."""
+    from .runtime.preload import ALLOCATORS, find_library
+
+    return {name: find_library(name) for name in ALLOCATORS}
+
+
+def allocator_line(found: dict[str, str | None]) -> str:
+    from .runtime.preload import PACKAGES
+
+    parts = [f"{name}: {path}" if path else f"{name}: not found ({PACKAGES[name]})"
+             for name, path in found.items()]
+    return "; ".join(parts) + "  (`torchkiln run` preloads the first found)"

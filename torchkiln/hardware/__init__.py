@@ -12,16 +12,20 @@ from pathlib import Path
 from . import probe as _probe
 from .cpu import detect_cpu
 from .model import AcceleratorInfo, CPUInfo, GPUPresence, Hardware, SoftwareInfo
+from .topology import LogicalCPU, Topology, detect_topology
 
 __all__ = [
     "AcceleratorInfo",
     "CPUInfo",
     "GPUPresence",
     "Hardware",
+    "LogicalCPU",
     "SoftwareInfo",
+    "Topology",
     "detect",
     "devices",
     "default_device",
+    "detect_topology",
 ]
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,14 @@
+"""The CPU runtime: running a script on chosen cores, the way `ipexrun` and
+`python -m torch.backends.xeon.run_cpu` do, on any vendor's CPU.
+
+    layout.py     which cores each instance gets (never across NUMA nodes)
+    launch.py     each instance's environment and command: OpenMP, allocator preload, numactl
+    omp.py        which OpenMP runtime torch loads, and what --omp picks
+    preload.py    finding jemalloc / tcmalloc / libiomp5 for LD_PRELOAD
+    torchrun.py   the torchrun command of `--nproc-per-node` mode
+    bind.py       per-rank binding under torchrun (run by path: imports only the standard library)
+    supervise.py  running the instances: prefixed output, log files, signals, exit codes
+    command.py    the `torchkiln run` subcommand
+
+The machine's topology comes from `torchkiln.hardware.topology`.
+"""

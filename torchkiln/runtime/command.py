@@ -1,0 +1,131 @@
+"""`torchkiln run`: run a script on chosen cores, one or more instances, or under torchrun.
+
+Importing this file imports no torch: the launcher itself needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from .bind import format_cpus
+
+_EPILOG = """examples:
+  torchkiln run --dry-run --instances 2 infer.py --batch 8   show the plan, start nothing
+  torchkiln run --cores-per-instance 4 --log-dir logs infer.py
+  torchkiln run --nproc-per-node 2 train.py                   torchrun, each rank on its own cores
+see docs/runtime.md"""
+
+
+def register(sub, common) -> None:
+    r = sub.add_parser(
+        "run", parents=[common], epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="run a script pinned to cores: instances, NUMA, OpenMP, allocator (ipexrun's successor)",
+        description="Run SCRIPT in one or more instances, each bound to its own cores and NUMA node, "
+                    "with OpenMP and allocator settings to match.")
+    lay = r.add_argument_group("layout (default: one instance per NUMA node, all allowed physical cores)")
+    lay.add_argument("--instances", type=int, help="how many copies of the script to run")
+    lay.add_argument("--cores-per-instance", type=int, help="cores for each instance")
+    lay.add_argument("--node-id", type=int, help="use only this NUMA node's cores")
+    lay.add_argument("--use-logical-cores", action="store_true", help="count hyperthreads (SMT siblings) too")
+    env = r.add_argument_group("environment")
+    env.add_argument("--memory-allocator", choices=["auto", "tcmalloc", "jemalloc", "default"],
+                     default="auto", help="preload this allocator when found "
+                                          "(auto: tcmalloc, else jemalloc, else the C library's)")
+    env.add_argument("--omp", choices=["auto", "gnu", "intel"], default="auto",
+                     help="OpenMP affinity variables to set (auto: for the runtime torch loads)")
+    r.add_argument("--log-dir", help="also write instance i's output to LOG_DIR/instance_i.log")
+    r.add_argument("--dry-run", action="store_true", help="print the plan, each instance's environment and "
+                                                          "command, and start nothing")
+    tr = r.add_argument_group("torchrun mode (distributed: one process per rank, each on its own cores)")
+    tr.add_argument("--nproc-per-node", type=int, help="ranks on this node")
+    tr.add_argument("--nnodes", type=int, help="nodes in the job")
+    tr.add_argument("--node-rank", type=int, help="this node's rank")
+    tr.add_argument("--rdzv-endpoint", help="HOST:PORT of node rank 0")
+    # One REMAINDER for the script and its arguments: a separate `script` positional would make argparse
+    # drop a "--" meant for the script (`run x.py -- a` must pass ["--", "a"]).
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
+                   help="the Python script and its arguments, passed as given")
+    r.set_defaults(func=_cmd_run)
+
+
+def _torchrun_options(args):
+    from .torchrun import TorchrunOptions
+
+    if args.nproc_per_node is None:
+        for flag in ("nnodes", "node_rank", "rdzv_endpoint"):
+            if getattr(args, flag) is not None:
+                flag = "--" + flag.replace("_", "-")
+                raise ValueError(f"{flag} is a torchrun-mode option: add --nproc-per-node K")
+        return None
+    if args.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: must be a positive integer")
+    if args.instances is not None and args.instances != args.nproc_per_node:
+        raise ValueError(f"--instances {args.instances} with --nproc-per-node {args.nproc_per_node}: "
+                         "torchrun mode runs one instance per rank; drop --instances")
+    return TorchrunOptions(nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint, log_dir=args.log_dir)
+
+
+def _cmd_run(args) -> int:
+    from ..hardware.topology import detect_topology
+    from .launch import build_plan, detect_host
+    from .layout import plan_layout
+    from .supervise import run_processes
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command  # `run [options] -- x.py`
+    if not command:
+        raise ValueError("no script given: torchkiln run [options] SCRIPT [ARGS ...]")
+    script, script_args = command[0], command[1:]
+    torchrun = _torchrun_options(args)
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"script {script!r} does not exist")
+    topology = detect_topology()
+    layout = plan_layout(topology, instances=torchrun.nproc_per_node if torchrun else args.instances,
+                         cores_per_instance=args.cores_per_instance, node_id=args.node_id,
+                         use_logical_cores=args.use_logical_cores)
+    host = detect_host(layout, numa_nodes=len(topology.nodes()))
+    plan = build_plan(layout, script, script_args, host, omp_choice=args.omp,
+                      memory_allocator=args.memory_allocator, torchrun=torchrun)
+    if args.dry_run:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else describe(plan))
+        return 0
+    # The plan goes to stderr, so stdout carries only the script's own (prefixed) output.
+    shown = json.dumps(plan.to_dict()) if args.json else describe(plan, details=False)
+    print(shown, file=sys.stderr, flush=True)
+    codes = run_processes(plan.processes, log_dir=None if torchrun else args.log_dir, prefix=torchrun is None)
+    worst = max(codes)
+    if len(codes) > 1:
+        print(f"torchkiln run: exit codes {codes}; returning {worst}", file=sys.stderr)
+    return worst
+
+
+def describe(plan, details: bool = True) -> str:
+    """The plan as the dry run prints it: settings, then per process its changed variables and command
+    (`details`; a real run prints only the slices)."""
+    layout = plan.layout
+    head = f"torchkiln run (torchrun, one rank per slice): {layout.rule}" if plan.mode == "torchrun" else (
+        f"torchkiln run: {layout.rule}")
+    binding = f"numactl ({plan.numactl})" if plan.numactl else "affinity mask (no usable numactl)"
+    lines = [
+        head,
+        f"  OpenMP    {plan.omp} variables; torch's runtime: {plan.omp_detected}",
+        f"  allocator {plan.allocator or 'the C library malloc'}"
+        + (f", LD_PRELOAD={':'.join(plan.preload)}" if plan.preload else ""),
+        f"  binding   {binding}",
+    ]
+    lines += [f"  note: {n}" for n in plan.notes]
+    if plan.mode == "torchrun":
+        lines += [f"rank {i.index}: node {i.node}, cpus {format_cpus(i.cpus)}" for i in layout.instances]
+        lines.append("torchrun starts the ranks, bind.py binds each to its slice")
+    for proc in plan.processes:
+        if plan.mode == "instances":
+            cpus = format_cpus(proc.cpus)
+            lines.append(f"instance {proc.index}: node {proc.node}, cpus {cpus}, bound by {proc.bind}")
+        if details:
+            lines += [f"    {k}={shlex.quote(v)}" for k, v in proc.env.items()]
+            lines.append(f"    $ {shlex.join(proc.command)}")
+    return "\n".join(lines)
