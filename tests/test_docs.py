@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md", ROOT / "docs" / "training.md", ROOT / "docs" / "runtime.md"]
 
 
 def blocks():

@@ -30,6 +30,7 @@ _EXPORTS = {
     "Recipe": (".recipe", "Recipe"),
     "amp": (".amp", None),
     "optim": (".optim", None),
+    "runtime": (".runtime", None),
 }
 
 __all__ = ["__version__", *_EXPORTS]

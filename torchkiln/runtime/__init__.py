@@ -9,6 +9,19 @@
     bind.py       per-rank binding under torchrun (run by path: imports only the standard library)
     supervise.py  running the instances: prefixed output, log files, signals, exit codes
     command.py    the `torchkiln run` subcommand
+    pool.py       tk.runtime.CPUPool and pin(): torch work on chosen cores, in-process
+    streams.py    tk.runtime.MultiStreamModule and Task: calls on pinned threads of their own
 
-The machine's topology comes from `torchkiln.hardware.topology`.
+The machine's topology comes from `torchkiln.hardware.topology`. pool.py and streams.py import
+torch; they load on first use, so the launcher stays fast.
 """
+
+_LAZY = {"CPUPool": ".pool", "pin": ".pool", "MultiStreamModule": ".streams", "Task": ".streams"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'torchkiln.runtime' has no attribute {name!r}")
