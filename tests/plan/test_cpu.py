@@ -160,3 +160,24 @@ def test_detected_machine_with_bf16_added_is_planned_bf16():
         f for f in hw.cpu.features if f not in ("avx512_bf16", "amx_bf16", "bf16"))))
     assert plan(mlp(), with_bf16, "cpu", BF16, "O1", {}, None).dtype == "bfloat16"
     assert plan(mlp(), without, "cpu", BF16, "O1", {}, None).dtype == "float32"
+
+
+def test_gemm_choice_is_measured_per_thread_count(monkeypatch):
+    # tk.runtime streams run the model with fewer threads than optimize() planned with.
+    from torchkiln.plan import cpu as cpu_plan
+
+    monkeypatch.undo()  # the real gemm_choice, not conftest's stand-in; the measurement is faked below
+    calls = []
+    monkeypatch.setattr(cpu_plan, "onednn_available", lambda dtype: True)
+    monkeypatch.setattr(cpu_plan, "onednn_measure",
+                        lambda dtype, m, k, n: calls.append(torch.get_num_threads()) or {"onednn": 2.0, "aten": 1.0})
+    cpu_plan._gemm_choice.cache_clear()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            assert cpu_plan.gemm_choice(torch.float32, 8, 64, 64)[0] == "onednn"
+    finally:
+        torch.set_num_threads(threads)
+        cpu_plan._gemm_choice.cache_clear()
+    assert calls == [1, 2]  # the third call (1 thread again) came from the cache

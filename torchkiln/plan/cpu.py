@@ -26,10 +26,15 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
     return dtype, None
 
 
-@functools.lru_cache(maxsize=32)
 def gemm_choice(dtype: torch.dtype, m: int, k: int, n: int) -> tuple[str, dict]:
-    """Measure, don't assume: which linear path is faster here for this dtype and shape.
-    Cached per process (a few tens of milliseconds per shape)."""
+    """Measure, don't assume: which linear path is faster here for this dtype and shape, with
+    the thread count the model will run with (inside tk.runtime.pin or a stream: the pool's).
+    Cached per process (a few tens of milliseconds per shape and thread count)."""
+    return _gemm_choice(dtype, m, k, n, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=32)
+def _gemm_choice(dtype: torch.dtype, m: int, k: int, n: int, threads: int) -> tuple[str, dict]:
     if not onednn_available(dtype):
         return "aten", {}
     rates = onednn_measure(dtype, m, k, n)
