@@ -56,6 +56,7 @@ def _worker(rank, world, init, order, out):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2 shards
         if rank == 0:
             torch.save([p.detach() for p in full], out)
+        dist.barrier()  # no rank tears down while another still talks (an FSDP2 run aborted once there)
     finally:
         dist.destroy_process_group()
 
