@@ -125,6 +125,7 @@ def tolerances(dtype: torch.dtype, baseline: list[Error] | None, n: int, tf32: b
 class Verdict:
     errors: tuple[Error, ...]
     tolerances: tuple[float, ...]
+    names: tuple[str, ...] = ()  # how to call each compared tensor; default "output [i]"
 
     @property
     def ok(self) -> bool:
@@ -136,9 +137,10 @@ class Verdict:
         if not bad:
             return "all outputs within tolerance"
         i, e, t = bad[0]
+        name = self.names[i] if i < len(self.names) else f"output [{i}]"
         if not e.shapes_match:
-            return f"output [{i}] has another shape or structure"
-        return f"output [{i}] {e} > tolerance {t:.3g}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            return f"{name} has another shape or structure"
+        return f"{name} {e} > tolerance {t:.3g}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "outputs": [{**e.to_dict(), "tolerance": t}

@@ -49,6 +49,12 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) if hasattr(torch, "OutOfMemoryError") else "out of memory" in str(e)
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's first line, for reports and warnings (its repr when the message is empty)."""
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else repr(e))[:300]
+
+
 def has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 

@@ -34,6 +34,7 @@ from .modelutil import (
     DTYPES,
     dtype_name,
     eval_mode,
+    first_line,
     has_conv,
     is_oom,
     model_device,
@@ -127,7 +128,7 @@ class KilnModule(OriginalFace):
                 raise
             with self._lock:
                 if self._fn is fn:
-                    return self._step_down(args, kwargs, f"{type(e).__name__}: {_first_line(e)}")
+                    return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}")
             return self.forward(*args, **kwargs)
 
     def _serve(self, fn, args, kwargs):
@@ -267,7 +268,7 @@ class KilnModule(OriginalFace):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
                 return None, None, "out of memory (skipped)"
-            reason = f"{type(e).__name__}: {_first_line(e)}"
+            reason = f"{type(e).__name__}: {first_line(e)}"
             if cand.graph_breaks is not None and _is_graph_break(e):
                 alt = cand.graph_breaks()
                 self._replace(cand, alt)
@@ -317,7 +318,7 @@ class KilnModule(OriginalFace):
             times = interleaved(fns, dev, self._opts["time_budget"], errors=errors)
         for name, e in errors.items():  # failed on a repeat call: never serve it
             measures[name].status, measures[name].reason = "failed", f"on a repeated call: {type(e).__name__}: " \
-                f"{_first_line(e)}"
+                f"{first_line(e)}"
             passed.pop(name)
         for name, ts in times.items():
             measures[name].median_ms = round(statistics.median(ts) * 1e3, 4)
@@ -397,7 +398,7 @@ class KilnModule(OriginalFace):
         except Exception as e:
             if is_oom(e) or self._served.kind == "original":
                 raise
-            return self._step_down(args, kwargs, f"{type(e).__name__}: {_first_line(e)}", ref)
+            return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}", ref)
         if ref is not None and self._served.kind != "original":
             v = verdict(out, ref, self._tols or tolerances(DTYPES[self.kiln_recipe.dtype], None, 1))
             if not v.ok:
@@ -543,11 +544,6 @@ def report(model: nn.Module) -> Report:
     if not isinstance(model, (KilnModule, TrainModule)):
         raise TypeError(f"report() expects a model returned by tk.optimize(), got {type(model).__name__}")
     return model.kiln_report
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else repr(e))[:300]
 
 
 def _is_graph_break(e: BaseException) -> bool:

@@ -84,7 +84,8 @@ class Task:
         return fut
 
     def __del__(self):
-        self._worker.close()
+        if hasattr(self, "_worker"):
+            self._worker.close()
 
 
 class MultiStreamModule(nn.Module):
@@ -121,6 +122,10 @@ class MultiStreamModule(nn.Module):
             futs = [s.submit(self.model, *a, **k) for s, (a, k) in zip(self._streams, chunks, strict=False)]
             outs = [f.result() for f in futs]
         return _concat(outs) if self.concat_output else outs
+
+    def __del__(self):
+        for s in getattr(self, "_streams", ()):
+            s.close()  # the stream threads end; they would otherwise live as long as the process
 
 
 def _chunk(args: inputs.Args, batch: int, parts: int, i: int) -> inputs.Args:

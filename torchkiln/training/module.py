@@ -27,7 +27,7 @@ from .. import inputs
 from .._log import warn_once
 from ..face import OriginalFace
 from ..guard import Verdict, compare_each, tf32_allowed, tolerances
-from ..modelutil import DTYPES, has_conv, is_oom
+from ..modelutil import DTYPES, first_line, has_conv, is_oom
 from ..passes.compile import Fresh
 from ..report import Fallback, Measurement, Report
 from ..timing import interleaved
@@ -109,7 +109,7 @@ class TrainModule(OriginalFace):
         except Exception as e:
             if fn is self._eager or is_oom(e):
                 raise
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else e!r}"
+            reason = f"{type(e).__name__}: {first_line(e)}"
             self.kiln_report.fallbacks.append(Fallback("compiled step", "eager", reason))
             warn_once(f"train-fb:{self._uid}", f"torchkiln: the compiled training step failed ({reason}); "
                       "stepping down to eager")
@@ -128,26 +128,23 @@ class TrainModule(OriginalFace):
                              for n in cands]
         by = dict(zip(cands, report.candidates, strict=True))
         passed = ["eager"]
+
+        def reject(why: str, what: str) -> None:
+            by["compiled"].status, by["compiled"].reason = "failed", why
+            report.fallbacks.append(Fallback("compiled step", "eager", why))
+            warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step {what} ({why}); "
+                      "training runs eager")
+
         try:
-            if self._opts["verify"] != "off":
-                ok, why = self._verify(args, kwargs)
-            else:
-                ok, why = True, "not verified (verify='off')"
+            ok, why = self._verify(args, kwargs) if self._opts["verify"] != "off" else (True, "")
             if ok:
                 passed.append("compiled")
             else:
-                by["compiled"].status, by["compiled"].reason = "failed", why
-                report.fallbacks.append(Fallback("compiled step", "eager", why))
-                warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step rejected ({why}); "
-                          "training runs eager")
+                reject(why, "rejected")
         except Exception as e:
             if is_oom(e):
                 raise
-            why = f"{type(e).__name__}: {e}"[:300]
-            by["compiled"].status, by["compiled"].reason = "failed", why
-            report.fallbacks.append(Fallback("compiled step", "eager", why))
-            warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step failed ({why}); "
-                      "training runs eager")
+            reject(f"{type(e).__name__}: {first_line(e)}", "failed")
         best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
         for n, m in by.items():
             if m.status != "failed":
@@ -171,16 +168,14 @@ class TrainModule(OriginalFace):
         scale = _grad_scale(ref[n_out:])
         tols = tolerances(dtype, _errors(base, ref, n_out, scale) if base is not None else None, len(ref),
                           tf32_allowed(self._device, has_conv(self.kiln_original)))
-        v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols))
+        names = tuple(f"output [{i}]" for i in range(n_out)) + tuple(f"gradient [{i}]" for i in range(len(params)))
+        v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols), names)
         self.kiln_report.verified_shapes = 1
         self.kiln_report.guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
                                   **v.to_dict()}
         worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
         self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
-        why = str(v)
-        if why.startswith("output [") and int(why[8:why.index("]")]) >= n_out:
-            why = f"gradient [{int(why[8:why.index(']')]) - n_out}]" + why[why.index("]") + 1:]
-        return v.ok, why
+        return v.ok, str(v)
 
     def _time(self, fns: dict, by: dict, args, kwargs) -> str:
         t0 = time.perf_counter()
