@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md", ROOT / "docs" / "training.md", ROOT / "docs" / "runtime.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md", ROOT / "docs" / "training.md", ROOT / "docs" / "runtime.md",
+        ROOT / "docs" / "quantization.md"]
 
 
 def blocks():

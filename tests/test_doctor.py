@@ -15,7 +15,9 @@ def run_json(capsys, *argv):
 
 def test_doctor_json_shape(capsys):
     out = run_json(capsys, "doctor", "--json")
-    assert set(out) == {"torchkiln", "hardware", "devices", "default_device", "problems"}
+    assert set(out) == {"torchkiln", "hardware", "devices", "default_device", "problems", "quantization"}
+    assert set(out["quantization"]) == set(out["devices"])
+    assert out["quantization"]["cpu"]["fp8"][0] is False  # fp8 needs a GPU
     hw = out["hardware"]
     assert set(hw) == {"platform", "cpu", "accelerators", "software", "gpus_present"}
     assert {"vendor", "model", "physical_cores", "sockets", "numa_nodes", "memory_bytes", "features",

@@ -31,6 +31,8 @@ _EXPORTS = {
     "amp": (".amp", None),
     "optim": (".optim", None),
     "runtime": (".runtime", None),
+    "quantize": (".quantization", "quantize"),
+    "quantization": (".quantization", None),
 }
 
 __all__ = ["__version__", *_EXPORTS]

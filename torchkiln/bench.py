@@ -28,6 +28,7 @@ from .guard import compare
 from .modelutil import keeps_mode, parse_dtype
 from .modelutil import model_device as _model_device
 from .optimize import optimize
+from .progress import progress as progress_bar
 
 
 @dataclass
@@ -255,7 +256,7 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     # drift on a noisy machine then hits all peers alike instead of whichever ran last.
     built: dict[str, tuple] = {}
     rounds = max(1, min(rounds, iters))
-    with _progress(progress) as prog:
+    with progress_bar(progress) as prog:
         task = prog.add_task("build + compile", total=len(builders)) if prog else None
         for peer, spec in builders.items():
             # A copy per stock peer so none can change another's weights (eager only reads them).
@@ -312,27 +313,3 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     for r in result.rows:
         r.speedup = round(eager / r.median_ms, 3)
     return result
-
-
-class _progress:
-    """A rich progress bar on stderr (stdout stays clean for --json); nothing when off."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.prog = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.prog = Progress(TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-        self.prog.__enter__()
-        return self.prog
-
-    def __exit__(self, *exc):
-        if self.prog is not None:
-            self.prog.__exit__(*exc)
-        return False

@@ -51,6 +51,8 @@ def _cmd_doctor(args) -> int:
     )
     print(f"Devices  {', '.join(report['devices'])}  (default: {report['default_device']})")
     print(f"Malloc   {doctor.allocator_line(doctor.allocators())}")
+    for dev, schemes in report.get("quantization", {}).items():
+        print(f"Quant    {doctor.quant_line(dev, schemes)}  (tk.quantize schemes)")
     for p in report["problems"]:
         print(f"PROBLEM  {p['device']}: {p['detail']}\n  cause: {p['cause']}\n  fix:   {p['fix']}")
     return 0

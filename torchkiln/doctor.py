@@ -153,7 +153,23 @@ def run(timeout: float | None = None) -> dict:
         "devices": devices(hw),
         "default_device": default_device(hw),
         "problems": [p.__dict__ for p in probs],
+        "quantization": quant_schemes(hw),
     }
+
+
+def quant_schemes(hw: Hardware) -> dict[str, dict[str, list]]:
+    """Per usable device: scheme -> [fast here, why] (tk.quantize warns on the slow ones)."""
+    import torch
+
+    from .quantization.schemes import fast_schemes
+
+    return {d: {s: list(v) for s, v in fast_schemes(torch.device(d), hw).items()} for d in devices(hw)}
+
+
+def quant_line(device: str, schemes: dict[str, list]) -> str:
+    fast = [s for s, (ok, _) in schemes.items() if ok]
+    slow = [s for s, (ok, _) in schemes.items() if not ok]
+    return f"{device}: fast {', '.join(fast) or '-'}; not fast here: {', '.join(slow) or '-'}"
 
 
 def allocators() -> dict[str, str | None]:

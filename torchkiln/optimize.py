@@ -293,6 +293,12 @@ class KilnModule(OriginalFace):
         baseline = None
         if dtype != torch.float32 and cand.kind == "eager" and "cast" in cand.name:
             baseline = compare_each(out, ref)  # the plain cast: what this precision costs here
+        quant = getattr(self.kiln_original, "kiln_quant", None)
+        if quant is not None:  # the reference is the eager quantized model
+            from .quantization.plan import tolerances as quant_tolerances
+
+            object.__setattr__(self, "_tols", quant_tolerances(quant, n))
+            return
         tf32 = tf32_allowed(torch.device(self.kiln_recipe.device), has_conv(self.kiln_original))
         object.__setattr__(self, "_tols", tolerances(dtype, baseline, n, tf32))
 
@@ -471,11 +477,14 @@ def _unoptimized(method, name: str):
 
 
 def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=None, inplace: bool = False,
-             optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0, **knobs):
+             optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
+             quantize=None, calib_data=None, **knobs):
     """Plan and apply the fastest verified recipe for ``model`` on this machine.
 
     Accepts every ``ipex.optimize`` keyword. Returns an ``nn.Module`` (with
-    ``optimizer``: the tuple ``(model, optimizer)``, as IPEX does).
+    ``optimizer``: the tuple ``(model, optimizer)``, as IPEX does). ``quantize``: a
+    tk.quantize scheme, applied first (with ``calib_data``), then compiled and verified
+    against the eager quantized model; a model tk.quantize returned is served the same way.
     """
     _log.configure()
     t0 = time.perf_counter()
@@ -514,15 +523,31 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     compute = parse_dtype(dtype)
     hw = detect()
     target = _resolve_device(model, device, hw)
+    if quantize is not None:
+        from .quantization import quantize as _quantize
+
+        model = _quantize(model, quantize, calib_data=calib_data, sample_input=sample_input, device=target)
+    elif calib_data is not None:
+        raise ValueError("calib_data= is only used with quantize= (e.g. quantize='int8-static'); "
+                         "without it, remove calib_data")
     sample = None
     if sample_input is not None:
         sample = inputs.to(inputs.normalize(sample_input), target)
         _check_sample(model, sample)
-    recipe = plan(model, hw, str(target), compute, level, knobs,
-                  batch=inputs.batch_size(sample) if sample else None)
-    if recipe.dtype != dtype_name(compute):
-        warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
-    report = Report(recipe=recipe.to_dict())
+    quant = getattr(model, "kiln_quant", None)
+    if quant is not None:
+        from .quantization.plan import plan as plan_quantized
+
+        if compute != torch.float32:
+            warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
+                      "it is served at the precision it was quantized in (cast the model before tk.quantize)")
+        recipe = plan_quantized(quant, str(target), level)
+    else:
+        recipe = plan(model, hw, str(target), compute, level, knobs,
+                      batch=inputs.batch_size(sample) if sample else None)
+        if recipe.dtype != dtype_name(compute):
+            warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
+    report = Report(recipe=recipe.to_dict(), quantization=quant.report.to_dict() if quant is not None else None)
     sample_ref = None
     if inplace and sample is not None and verify != "off":
         # The untouched model's answer, before the passes change it in place.

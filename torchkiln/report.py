@@ -44,6 +44,7 @@ class Report:
     speedup: dict = field(default_factory=dict)  # served vs eager-as-given / vs best stock recipe
     active: str = "pending first call"  # which candidate serves calls
     dtype_served: str | None = None
+    quantization: dict | None = None  # tk.quantize's accuracy report (SQNR vs fp32), for a quantized model
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -7,9 +7,10 @@ from .concat_linear import concat_linear
 from .fold_conv_bn import fold_conv_bn
 from .fold_linear_bn import fold_linear_bn
 from .onednn_linear import OneDNNLinear, onednn_linear
+from .quantize import QuantizeConfig
 from .replace_dropout import replace_dropout
 
 __all__ = [
-    "Fp32Island", "OneDNNLinear", "cast_dtype", "channels_last", "compile_model", "concat_linear",
+    "Fp32Island", "OneDNNLinear", "QuantizeConfig", "cast_dtype", "channels_last", "compile_model", "concat_linear",
     "fold_conv_bn", "fold_linear_bn", "memory_format_for", "onednn_linear", "replace_dropout",
 ]

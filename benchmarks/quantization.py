@@ -1,0 +1,152 @@
+"""Quantization: torchkiln against the stock flows, interleaved in one process.
+
+    python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static, MiniLM bs16
+    python benchmarks/quantization.py --part linear     # CUDA: weight-only int8/int4 linears, GB/s
+    python benchmarks/quantization.py --part fp8        # CUDA: bert-base bs64 fp8 vs torchkiln bf16
+
+CPU peers: eager fp32; the stock int8 flow as torchao's pt2e tutorial builds it
+(torch.export -> prepare_pt2e(X86InductorQuantizer) -> calibrate -> convert_pt2e ->
+torch.compile with freezing); torchkiln: tk.optimize(model, quantize=..., calib_data=...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import statistics
+import sys
+import warnings
+
+import torch
+
+import torchkiln as tk
+from torchkiln.timing import interleaved
+
+warnings.filterwarnings("ignore")
+
+
+def stock_pt2e(model, sample_kwargs, calib):
+    import torch._inductor.config as ic
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    a, k = sample_kwargs
+    ep = torch.export.export(copy.deepcopy(model), a, k, strict=False).module()
+    q = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
+    p = prepare_pt2e(ep, q)
+    with torch.no_grad():
+        for ca, ck in calib:
+            p(*ca, **ck)
+    c = convert_pt2e(p)
+    compiled = torch.compile(c)
+
+    def call(*args, **kwargs):
+        with ic.patch({"freezing": True}):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def args_of(sample):
+    return ((sample,), {}) if isinstance(sample, torch.Tensor) else ((), dict(sample))
+
+
+def time_all(fns, args, budget, device):
+    with torch.no_grad():
+        for f in fns.values():
+            for _ in range(2):
+                f(*args[0], **args[1])
+        t = interleaved({n: (lambda f=f: f(*args[0], **args[1])) for n, f in fns.items()}, device, budget,
+                        min_rounds=5, prune=100)
+    return {n: statistics.median(v) * 1e3 for n, v in t.items()}
+
+
+def cpu_part(budget):
+    rows = []
+    for name, batch in (("resnet50", 1), ("bert-base", 1)):
+        model, sample = tk.zoo.load(name, batch=batch) if hasattr(tk, "zoo") else __import__(
+            "torchkiln.zoo", fromlist=["load"]).load(name, batch=batch)
+        args = args_of(sample)
+        g = torch.Generator().manual_seed(1)
+        if name == "resnet50":
+            calib = [((torch.randn(1, 3, 224, 224, generator=g),), {}) for _ in range(4)]
+        else:
+            calib = [((), {"input_ids": torch.randint(0, 30522, (1, 128), generator=g),
+                           "attention_mask": torch.ones(1, 128, dtype=torch.long)}) for _ in range(4)]
+        fns = {"eager fp32": model}
+        fns["stock pt2e int8 + compile"] = stock_pt2e(model, args, calib)
+        kiln = tk.optimize(model, quantize="int8-static", calib_data=[c[1] or c[0] for c in calib],
+                           sample_input=sample, time_budget=budget)
+        fns["torchkiln int8-static"] = kiln
+        ms = time_all(fns, args, budget * 3, torch.device("cpu"))
+        print(f"\n{name} bs{batch} (median ms): " + ", ".join(f"{n} {v:.2f}" for n, v in ms.items()))
+        print(f"  torchkiln vs stock int8: {ms['stock pt2e int8 + compile'] / ms['torchkiln int8-static']:.2f}x, "
+              f"vs eager fp32: {ms['eager fp32'] / ms['torchkiln int8-static']:.2f}x; served: "
+              f"{kiln.kiln_report.active}; quantization worst output "
+              f"{kiln.kiln_report.quantization['min_sqnr_db']:.1f} dB")
+        rows.append((name, ms))
+    return rows
+
+
+def linear_part(budget):
+    dev = torch.device("cuda")
+    n = 1 << 28
+    a = torch.empty(n, dtype=torch.float32, device=dev)
+    b = torch.empty_like(a)
+    copy_s = statistics.median(interleaved({"copy": lambda: b.copy_(a)}, dev, 1.0, min_rounds=10)["copy"])
+    copy_gbs = 2 * a.numel() * 4 / copy_s / 1e9
+    print(f"copy bandwidth (read + write of 1 GiB): {copy_gbs:.0f} GB/s")
+    for k, nout in ((4096, 4096), (4096, 14336)):
+        base = torch.nn.Sequential(torch.nn.Linear(k, nout, bias=False)).to(dev, torch.bfloat16).eval()
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        fns, bytes_ = {}, {}
+        for scheme in ("bf16", "int8-weight-only", "int4-weight-only"):
+            m = base if scheme == "bf16" else tk.quantize(base, scheme, progress=False)
+            fns[scheme] = torch.compile(m, mode="max-autotune-no-cudagraphs")
+            bits = {"bf16": 16, "int8-weight-only": 8, "int4-weight-only": 4}[scheme]
+            scales = 0 if scheme == "bf16" else (nout * 2 if bits == 8 else nout * k // 128 * 4)
+            bytes_[scheme] = k * nout * bits / 8 + scales
+        ms = time_all(fns, ((x,), {}), budget, dev)
+        print(f"\nlinear {k}x{nout} bs1 bf16 activations:")
+        for s, v in ms.items():
+            gbs = bytes_[s] / (v / 1e3) / 1e9
+            print(f"  {s:18s} {v * 1e3:8.1f} us  {ms['bf16'] / v:5.2f}x bf16  {gbs:6.0f} GB/s weights "
+                  f"({gbs / (copy_gbs / 2):.0%} of copy read rate)")
+
+
+def fp8_part(budget):
+    from torchkiln.zoo import load
+
+    dev = torch.device("cuda")
+    model, sample = load("bert-base", batch=64)
+    model = model.to(dev)
+    sample = {k: v.to(dev) for k, v in sample.items()}
+    bf16 = tk.optimize(model, dtype=torch.bfloat16, sample_input=sample, time_budget=budget)
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    q = tk.quantize(m16, "fp8", calib_data=[sample], progress=False)
+    fp8 = tk.optimize(q, sample_input=sample, time_budget=budget)
+    print(q.kiln_quant.report)
+    with torch.no_grad():
+        ref = model(**sample).last_hidden_state.float()
+        for n, f in (("bf16", bf16), ("fp8", fp8)):
+            o = f(**sample).last_hidden_state.float()
+            print(f"  {n} vs fp32: rel {float((o - ref).norm() / ref.norm()):.4f}")
+    ms = time_all({"torchkiln bf16": bf16, "torchkiln fp8": fp8}, ((), sample), budget * 2, dev)
+    print("\nbert-base bs64 seq128 (median ms): " + ", ".join(f"{n} {v:.3f}" for n, v in ms.items()))
+    print(f"  fp8 speedup over torchkiln bf16: {ms['torchkiln bf16'] / ms['torchkiln fp8']:.2f}x; "
+          f"served {fp8.kiln_report.active}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("cpu", "linear", "fp8"), default="cpu")
+    p.add_argument("--budget", type=float, default=3.0)
+    a = p.parse_args(argv)
+    print(f"# {datetime.date.today()} torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{torch.cuda.get_device_name() if a.part != 'cpu' else 'cpu'}; python benchmarks/quantization.py "
+          + " ".join(sys.argv[1:]))
+    {"cpu": cpu_part, "linear": linear_part, "fp8": fp8_part}[a.part](a.budget)
+
+
+if __name__ == "__main__":
+    main()

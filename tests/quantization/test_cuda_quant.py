@@ -1,0 +1,38 @@
+"""CUDA schemes (torchao kernels): weight-only int8/int4, per-token int8 dynamic, fp8."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+
+pytestmark = pytest.mark.cuda
+
+
+def sqnr_db(ref, q):
+    ref, q = ref.detach().double(), q.detach().double()
+    return 10 * math.log10(float(ref.pow(2).sum()) / float((ref - q).pow(2).sum()))
+
+
+@pytest.mark.parametrize("scheme,floor", [("int8-weight-only", 30), ("int4-weight-only", 15),
+                                          ("int8-dynamic", 25), ("fp8", 20)])
+def test_cuda_scheme(scheme, floor):
+    if scheme == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability >= 8.9")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = tk.quantize(m, scheme, calib_data=[x], progress=False)
+        fast = tk.optimize(q, sample_input=x, time_budget=0.5)
+    ref = m(x).float()
+    assert q.kiln_quant.backend == "torchao"
+    assert sqnr_db(ref, q(x).float()) > floor
+    assert sqnr_db(ref, fast(x).float()) > floor
+    assert fast.kiln_report.quantization["scheme"] == scheme

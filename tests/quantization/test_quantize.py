@@ -1,0 +1,224 @@
+"""tk.quantize on small models: every CPU scheme against an fp32 reference computed here,
+the caller's model untouched, bad input, save/load, calibration JSON, auto_fallback."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+from torchkiln.quantization import SCHEMES, QuantConfig
+
+CPU_SCHEMES = ["int8-static", "int8-smoothquant", "int8-dynamic", "int8-weight-only", "int4-weight-only"]
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+
+
+def data(n: int = 4, bs: int = 8, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(bs, 64, generator=g) for _ in range(n)]
+
+
+def sqnr_db(ref: torch.Tensor, q: torch.Tensor) -> float:
+    ref, q = ref.detach().double(), q.detach().double()
+    return 10 * math.log10(float(ref.pow(2).sum()) / float((ref - q).pow(2).sum()))
+
+
+def quiet(fn, *a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*a, **k)
+
+
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
+def test_scheme_matches_fp32_and_report_is_right(scheme):
+    m, calib = mlp(), data()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    q = quiet(tk.quantize, m, scheme, calib_data=calib, group_size=32, progress=False)
+    with torch.no_grad():  # batch by batch: dynamic schemes pick scales per batch
+        ref, out = torch.cat([m(b) for b in calib]), torch.cat([q(b) for b in calib])
+    measured = sqnr_db(ref, out)
+    # int8 keeps ~6 bits of signal end to end (>= 25 dB); int4 groups of 32, ~4 bits (>= 15 dB)
+    assert measured > (15 if scheme.startswith("int4") else 25), measured
+    assert out.shape == ref.shape and not torch.equal(out, ref)  # really quantized
+    rep = q.kiln_quant.report
+    assert abs(rep.outputs[0].sqnr_db - measured) < 0.5  # the report says what we measure
+    assert rep.passed and rep.quantized >= 1
+    for k, v in m.state_dict().items():  # the caller's model is untouched
+        assert torch.equal(v, before[k]), k
+    assert q(torch.randn(1, 64)).shape == (1, 16)  # another batch size than calibration
+
+
+def test_unknown_scheme_lists_valid_ones():
+    with pytest.raises(ValueError, match="int8-static") as e:
+        tk.quantize(mlp(), "int3")
+    assert "int3" in str(e.value)
+    with pytest.raises(TypeError, match="unknown quantization option"):
+        tk.quantize(mlp(), "int8-static", calib_data=data(), nonsense=1)
+    with pytest.raises(ValueError, match="group_size"):
+        tk.quantize(mlp(), "int4-weight-only", group_size=48)
+
+
+@pytest.mark.parametrize("calib", [None, []])
+def test_static_needs_calibration(calib):
+    with pytest.raises(ValueError, match="at least one batch"):
+        tk.quantize(mlp(), "int8-static", calib_data=calib)
+
+
+def test_single_tensor_calib_data_is_explained():
+    with pytest.raises(TypeError, match=r"wrap it in a list"):
+        tk.quantize(mlp(), "int8-static", calib_data=torch.randn(4, 64))
+
+
+def test_rejected_batch_is_named():
+    calib = data()
+    calib[2] = torch.randn(8, 63)
+    with pytest.raises(Exception, match="calibrating: batch 2 was rejected by the model"):
+        quiet(tk.quantize, mlp(), "int8-static", calib_data=calib, progress=False)
+
+
+def test_model_without_quantizable_layers_is_returned_unchanged():
+    m = nn.Sequential(nn.ReLU(), nn.Tanh())
+    with pytest.warns(UserWarning, match="returned unchanged"):
+        assert tk.quantize(m, "int8-weight-only") is m
+
+
+def test_dict_and_tuple_batches():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 32), nn.Linear(64, 32)
+
+        def forward(self, x, y=None):
+            return self.a(x) + self.b(y)
+
+    m = Two().eval()
+    calib = [{"x": t, "y": t.flip(0)} for t in data()]
+    q = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False)
+    t = data(1, seed=5)[0]
+    assert sqnr_db(m(t, y=t), q(x=t, y=t)) > 25
+    q2 = quiet(tk.quantize, m, "int8-weight-only", calib_data=[(t, t) for t in data()], progress=False)
+    assert sqnr_db(m(t, t), q2(t, t)) > 30
+
+
+@pytest.mark.parametrize("scheme", ["int8-static", "int8-smoothquant", "int8-weight-only"])
+def test_save_load_round_trip(tmp_path, scheme):
+    m = mlp()
+    q = quiet(tk.quantize, m, scheme, calib_data=data(), progress=False)
+    path = tmp_path / "q.pt"
+    tk.quantization.save(q, path, float_model=m)
+    torch.load(path, weights_only=True)  # no arbitrary objects in the file
+    blank = mlp(seed=7)  # the architecture, other weights
+    loaded = quiet(tk.quantization.load, blank, path)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(loaded(x), q(x), rtol=0, atol=0)
+    assert loaded.kiln_quant.config.scheme == scheme
+    assert not torch.equal(blank[0].weight, m[0].weight)  # the architecture passed in is untouched
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        tk.quantization.save(q, path, float_model=m)
+
+
+def test_load_rejects_other_model_and_corrupted_file(tmp_path):
+    m = mlp()
+    q = quiet(tk.quantize, m, "int8-weight-only", progress=False)
+    path = tmp_path / "q.pt"
+    tk.quantization.save(q, path)
+    other = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval()
+    w = other[0].weight.clone()
+    with pytest.raises(ValueError, match="different model"):
+        tk.quantization.load(other, path)
+    assert torch.equal(other[0].weight, w)
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    with pytest.raises(ValueError, match="corrupted"):
+        tk.quantization.load(m, bad)
+    junk = tmp_path / "junk.pt"
+    torch.save({"a": torch.zeros(1)}, junk)
+    with pytest.raises(ValueError, match="not a torchkiln quantized model file"):
+        tk.quantization.load(m, junk)
+
+
+def test_prepare_convert_equals_quantize_and_calibration_json(tmp_path):
+    m, calib = mlp(), data()
+    q = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False)
+    prepared = quiet(tk.quantization.prepare, m, "int8-static", example_inputs=calib[0])
+    for b in calib:
+        prepared(b)
+    q2 = quiet(tk.quantization.convert, prepared)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(q2(x), q(x), rtol=0, atol=0)
+    path = tmp_path / "calib.json"
+    tk.quantization.save_calibration(prepared, path)
+    assert json.loads(path.read_text())["format"] == "torchkiln.calibration/1"  # plain JSON
+    fresh = quiet(tk.quantization.prepare, m, "int8-static", example_inputs=calib[0])
+    tk.quantization.load_calibration(fresh, path)
+    q3 = quiet(tk.quantization.convert, fresh, eval_data=calib[:1])
+    torch.testing.assert_close(q3(x), q(x), rtol=0, atol=0)
+    wrong = quiet(tk.quantization.prepare, m, "int8-dynamic", example_inputs=calib[0])
+    with pytest.raises(ValueError, match="int8-static"):
+        tk.quantization.load_calibration(wrong, path)
+
+
+def test_convert_without_calibration_is_an_error():
+    prepared = quiet(tk.quantization.prepare, mlp(), "int8-static", example_inputs=data()[0])
+    with pytest.raises(ValueError, match="needs calibration"):
+        tk.quantization.convert(prepared)
+
+
+class Outlier(nn.Module):
+    """One linear sees an input channel 300x larger than the rest: per-tensor int8 loses the
+    others, so that layer (and only it) must be kept in floating point."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        y = torch.cat([y[:, :1] * 300, y[:, 1:]], dim=1)
+        return self.c(torch.relu(self.b(y))) + y[:, :64] * 0
+
+
+def test_auto_fallback_keeps_the_bad_layer():
+    m, calib = Outlier().eval(), data(6)
+    strict = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False, min_sqnr=40)
+    rep = strict.kiln_quant.report
+    assert "b" in rep.auto_kept and "b" in rep.kept and rep.passed, rep
+    with pytest.warns(UserWarning, match="below its 40 dB bar"):
+        plain = tk.quantize(m, "int8-static", calib_data=calib, progress=False, min_sqnr=40, auto_fallback=False)
+    assert plain.kiln_quant.report.kept == [] and not plain.kiln_quant.report.passed
+    x = torch.cat(calib)
+    assert sqnr_db(m(x), strict(x)) > sqnr_db(m(x), plain(x)) + 3
+
+
+def test_user_keep_is_honoured():
+    m = mlp()
+    q = quiet(tk.quantize, m, "int8-weight-only", keep=("2",), progress=False)
+    assert type(q[2].weight.data) is torch.Tensor and type(q[0].weight.data) is not torch.Tensor
+    assert q.kiln_quant.report.kept == ["2"]
+
+
+def test_optimize_with_quantize_serves_a_verified_compiled_model():
+    m, calib = mlp(), data()
+    fast = quiet(tk.optimize, m, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.5)
+    rep = fast.kiln_report
+    assert rep.recipe["passes"][0]["pass"] == "quantize" and rep.quantization["passed"]
+    x = torch.randn(8, 64)
+    assert sqnr_db(m(x), fast(x)) > 25
+    with pytest.raises(ValueError, match="only used with quantize"):
+        tk.optimize(m, calib_data=calib)
+
+
+def test_config_round_trips_as_json():
+    c = QuantConfig("int4-weight-only", group_size=64, keep=("x",))
+    assert QuantConfig.from_dict(json.loads(c.to_json())) == c
+    assert set(tk.quantization.fast_schemes(torch.device("cpu"))) == set(SCHEMES)

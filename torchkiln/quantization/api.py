@@ -1,0 +1,292 @@
+"""tk.quantize and the IPEX-style two-step form (prepare -> calibrate -> convert).
+
+    qmodel = tk.quantize(model, "int8-static", calib_data=loader)
+    print(qmodel.kiln_quant.report)          # SQNR/cosine/argmax against fp32, layers kept
+
+    prepared = tk.quantization.prepare(model, "int8-static", example_inputs=x)
+    for batch in loader:
+        prepared(batch)                       # calibration
+    qmodel = tk.quantization.convert(prepared)
+
+The caller's model is never changed: torchkiln quantizes a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import inputs
+from .._log import warn_once
+from ..modelutil import model_device
+from . import calibrate, fallback, pt2e_flow, smoothquant
+from .accuracy import AccuracyReport, measure
+from .config import QuantConfig, make
+from .schemes import _quiet_torchao, backend_for, fast_here, torchao, torchao_config
+
+log = logging.getLogger(__name__)
+EVAL_BATCHES = 8  # calibration batches reused to measure accuracy when no eval_data is given
+RECORDED = 32  # batches a Prepared model keeps for auto_fallback's re-calibration
+
+
+@dataclass
+class QuantInfo:
+    """What ``tk.quantize`` did, attached to its result as ``model.kiln_quant``."""
+
+    config: QuantConfig  # with ``keep`` = every module kept in floating point
+    backend: str
+    report: AccuracyReport
+    sample: inputs.Args | None = None  # the export example (pt2e)
+    calibration: dict = field(default_factory=dict)  # pt2e observer state, JSON-ready
+    smoothing: dict = field(default_factory=dict)  # SmoothQuant: module -> per-channel absmax (lists)
+    fingerprint: dict = field(default_factory=dict)  # the float model's state_dict names -> shapes
+
+
+class QuantizedGraph(nn.Module):
+    """A pt2e-quantized model: the converted graph behind the original's call signature."""
+
+    def __init__(self, graph: nn.Module, info: QuantInfo):
+        super().__init__()
+        self.graph = graph
+        self.kiln_quant = info
+        for m in self.modules():  # flags only: exported graphs raise on .eval()
+            m.training = False
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.graph(*args, **kwargs)
+        except TypeError as e:
+            a, k = self.kiln_quant.sample or ((), {})
+            raise TypeError(f"{e}. A pt2e-quantized model takes the arguments it was calibrated with: "
+                            f"{len(a)} positional and keywords {sorted(k)}") from e
+
+    def train(self, mode: bool = True):
+        # An exported graph has no train/eval switch (torch raises on it): it was converted
+        # for inference. Only this wrapper's flag changes.
+        self.training = mode
+        return self
+
+
+class Prepared(nn.Module):
+    """Calling it calibrates: pt2e observers record ranges; every flow keeps the first
+    batches for the accuracy report and auto_fallback."""
+
+    def __init__(self, model: nn.Module, config: QuantConfig, backend: str, device: torch.device,
+                 sample: inputs.Args | None):
+        super().__init__()
+        self.float_model = model
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "backend", backend)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "sample", sample)
+        object.__setattr__(self, "seen", [])
+        object.__setattr__(self, "smoothing", {})
+        self.observed = None
+        if backend == "pt2e":
+            if sample is None:
+                raise ValueError(f"scheme {config.scheme!r} needs example_inputs (or calib_data) to export the model")
+            self.observed = _observed(model, config, sample, device, self.smoothing_for)
+
+    def smoothing_for(self, model_copy: nn.Module, data=None) -> None:
+        """SmoothQuant: measure per-channel activation maxima on ``data`` (default: the sample)
+        with the float model, then smooth ``model_copy``'s linears."""
+        if self.config.scheme != "int8-smoothquant":
+            return
+        if not self.smoothing:
+            names = [n for n in fallback.targets(self.float_model, self.config, "torchao") if n not in self.config.keep]
+            amax = smoothquant.activation_absmax(self.float_model, data or [self.sample], names, self.device)
+            self.smoothing.update({n: v.tolist() for n, v in amax.items()})
+        amax = {n: torch.tensor(v) for n, v in self.smoothing.items() if n not in self.config.keep}
+        smoothquant.smooth(model_copy, amax, self.config.alpha)
+
+    def forward(self, *args, **kwargs):
+        if len(self.seen) < RECORDED:
+            self.seen.append(_detach((args, kwargs)))
+        a, k = inputs.to((args, kwargs), self.device)
+        with torch.no_grad():
+            if self.observed is not None:
+                return self.observed(*a, **k)
+            return self.float_model(*a, **k)
+
+    def calibration(self) -> dict:
+        """The observers' state (JSON-ready): save it with json.dump, restore with load_calibration."""
+        return pt2e_flow.observer_state(self.observed) if self.observed is not None else {}
+
+    def load_calibration(self, state: dict) -> None:
+        if self.observed is None:
+            raise ValueError(f"{self.config.scheme} via {self.backend} has no calibration to load")
+        pt2e_flow.load_observer_state(self.observed, state)
+
+
+def _detach(args: inputs.Args) -> inputs.Args:
+    return inputs.tree_map(lambda t: t.detach(), args)
+
+
+def _observed(model, config, sample, device, smooth) -> nn.Module:
+    m = copy.deepcopy(model).eval()
+    smooth(m)
+    observed, _ = pt2e_flow.prepare(m, config, inputs.to(sample, device))
+    return observed
+
+
+def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=None, **options) -> Prepared:
+    """Step one of the IPEX-style flow: returns a model that calibrates when called."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare() expects a torch.nn.Module, got {type(model).__name__}")
+    config = make(config, **options)
+    dev = torch.device(device) if device is not None else model_device(model)
+    sample = inputs.normalize(example_inputs) if example_inputs is not None else None
+    return _prepare(model, config, sample, dev)
+
+
+def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
+    _warn_if_slow(config, dev)
+    was_training = model.training
+    model.eval()
+    try:
+        return Prepared(model, config, backend_for(config, dev), dev, sample)
+    finally:
+        model.train(was_training)
+
+
+def convert(prepared: Prepared, eval_data=None, progress: bool = True) -> nn.Module:
+    """Step two: the quantized model (``.kiln_quant`` holds the config and accuracy report)."""
+    if not isinstance(prepared, Prepared):
+        raise TypeError(f"convert() expects the result of tk.quantization.prepare(), got {type(prepared).__name__}")
+    config = prepared.config
+    data = prepared.seen
+    if config.static and not data and not getattr(prepared, "calibrated_from_file", False):
+        raise ValueError(f"scheme {config.scheme!r} needs calibration: call the prepared model on some batches "
+                         "(or pass calib_data= to tk.quantize) before convert()")
+    evals = calibrate.batches(eval_data, "eval_data") if eval_data is not None else data[:EVAL_BATCHES]
+    if not evals and prepared.sample is not None:
+        evals = [prepared.sample]
+    return _convert(prepared, config, data, evals, progress, first=True)
+
+
+def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_data=None, device=None,
+             progress: bool = True, **options) -> nn.Module:
+    """Quantize a copy of ``model``; see the module docstring and docs/quantization.md."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
+    config = make(scheme, **options)
+    data = calibrate.batches(calib_data, "calib_data")
+    if config.static and not data:
+        raise ValueError(f"scheme {config.scheme!r} calibrates activation ranges: calib_data must hold at least "
+                         "one batch (a list of tensors, tuples or dicts), got "
+                         + ("nothing" if calib_data is None else "an empty iterable"))
+    dev = torch.device(device) if device is not None else model_device(model)
+    names = fallback.targets(model, config, backend_for(config, dev))
+    if not names:
+        warn_once(f"noquant:{type(model).__name__}", f"torchkiln: {type(model).__name__} has no layer "
+                  f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''}); returned unchanged")
+        return model
+    sample = inputs.normalize(sample_input) if sample_input is not None else (data[0] if data else None)
+    prepared = _prepare(model, config, sample, dev)
+    if prepared.backend == "pt2e" and config.scheme == "int8-smoothquant":
+        prepared = _resmoothed(prepared, data)
+    calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
+    evals = calibrate.batches(eval_data, "eval_data") if eval_data is not None else \
+        (data[:EVAL_BATCHES] or ([sample] if sample is not None else []))
+    return _convert(prepared, prepared.config, data, evals, progress, first=True)
+
+
+def _resmoothed(prepared: Prepared, data) -> Prepared:
+    # SmoothQuant's maxima come from all calibration data, not the export sample alone.
+    prepared.smoothing.clear()
+    prepared.smoothing_for(copy.deepcopy(prepared.float_model).eval(), data)
+    object.__setattr__(prepared, "seen", [])
+    prepared.observed = _observed(prepared.float_model, prepared.config, prepared.sample, prepared.device,
+                                  prepared.smoothing_for)
+    return prepared
+
+
+def _convert(prepared: Prepared, config: QuantConfig, data, evals, progress: bool, first: bool) -> nn.Module:
+    model = prepared.float_model
+    was_training = model.training
+    model.eval()
+    try:
+        refs = calibrate.run(model, evals, prepared.device, "fp32 reference", show=False) if evals else []
+        qmodel, report = _attempt(prepared, config, data, evals, refs, progress, reuse=first)
+        if not report.passed and config.auto_fallback and evals:
+            qmodel, report = _fall_back(prepared, config, data, evals, refs, progress, qmodel, report)
+        if not report.passed and evals:
+            warn_once(f"acc:{config.scheme}:{type(model).__name__}",
+                      f"torchkiln: {config.scheme} reaches {report.min_sqnr:.1f} dB, below its {report.threshold_db:g} "
+                      f"dB bar, even with {len(report.kept)} layer(s) kept in floating point; see .kiln_quant.report")
+    finally:
+        model.train(was_training)
+    return qmodel
+
+
+def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progress: bool, reuse: bool):
+    model, backend, dev = prepared.float_model, prepared.backend, prepared.device
+    info = QuantInfo(config, backend, AccuracyReport(config.scheme, backend, config.threshold, len(evals)),
+                     fingerprint={k: list(v.shape) for k, v in model.state_dict().items()})
+    if backend == "pt2e":
+        observed = prepared.observed if reuse else None
+        if observed is None:
+            observed = _observed(model, config, prepared.sample, dev, prepared.smoothing_for)
+            calibrate.run(observed, data, dev, f"re-calibrating ({len(config.keep)} kept)", show=progress)
+        info.calibration = pt2e_flow.observer_state(observed)
+        info.sample = _detach(prepared.sample)
+        info.smoothing = dict(prepared.smoothing)
+        qmodel = QuantizedGraph(pt2e_flow.convert(observed), info)
+    else:
+        qmodel = copy.deepcopy(model).eval()
+        apply_torchao(qmodel, config, dev)
+        qmodel.kiln_quant = info
+    names = fallback.targets(model, config, backend)
+    info.report.kept = [n for n in names if n in config.keep] + [n for n in config.keep if n not in names]
+    info.report.quantized = len([n for n in names if n not in config.keep])
+    if evals:
+        outs = calibrate.run(qmodel, evals, dev, "measuring accuracy", show=False)
+        info.report.outputs = measure(refs, outs)
+    return qmodel, info.report
+
+
+def apply_torchao(model: nn.Module, config: QuantConfig, device: torch.device) -> None:
+    """torchao's quantize_ on ``model`` (torchkiln's copy), skipping the kept modules."""
+    q = torchao()
+    names = set(fallback.targets(model, config, "torchao")) - set(config.keep)
+    with _quiet_torchao():
+        q.quantize_(model, torchao_config(config, device), filter_fn=lambda m, fqn: fqn in names)
+
+
+def _fall_back(prepared, config, data, evals, refs, progress, qmodel, report):
+    model = prepared.float_model
+    names = [n for n in fallback.targets(model, config, prepared.backend) if n not in config.keep]
+    sens = fallback.sensitivity(model, config, prepared.backend, data[:2] or evals[:2], prepared.device, names)
+    order = fallback.ranked(sens)
+    best = (qmodel, report)
+    for worst in fallback.keep_steps(order, max(1, int(len(names) * config.max_keep_fraction))):
+        trial = config.replace(keep=config.keep + tuple(worst))
+        log.info("torchkiln: %s at %.1f dB; keeping %d layer(s) in floating point", config.scheme,
+                 best[1].min_sqnr, len(worst))
+        qm, rep = _attempt(prepared, trial, data, evals, refs, progress, reuse=False)
+        rep.auto_kept = list(worst)
+        rep.notes.append("auto_fallback: layer SQNR (simulated) of the kept: "
+                         + ", ".join(f"{n} {sens[n]:.1f} dB" for n in worst[:8]) + (" ..." if len(worst) > 8 else ""))
+        if rep.min_sqnr > best[1].min_sqnr:
+            best = (qm, rep)
+        if rep.passed:
+            break
+    return best
+
+
+def info(model: nn.Module) -> QuantInfo | None:
+    """The QuantInfo of a model tk.quantize returned (None for any other model)."""
+    return getattr(model, "kiln_quant", None) if isinstance(getattr(model, "kiln_quant", None), QuantInfo) else None
+
+
+def _warn_if_slow(config: QuantConfig, device: torch.device) -> None:
+    from ..hardware import detect
+
+    fast, why = fast_here(config.scheme, device, detect())
+    if not fast:
+        warn_once(f"slow:{config.scheme}:{device.type}",
+                  f"torchkiln: {config.scheme} has no fast kernel on this {device.type}: {why}")

@@ -1,0 +1,62 @@
+"""Calibration: run any iterable of inputs through an observed model, with a progress bar.
+
+A batch is a tensor, a tuple/list of positional arguments, or a dict of keyword arguments
+(the convention of ``sample_input`` everywhere in torchkiln).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import inputs
+from ..progress import progress
+
+
+def batches(data, name: str = "calib_data", limit: int | None = None) -> list[inputs.Args]:
+    """The batches of ``data`` as (args, kwargs), at most ``limit`` of them."""
+    if data is None:
+        return []
+    if isinstance(data, (torch.Tensor, dict)):
+        raise TypeError(f"{name} must be an iterable of batches (a list of tensors, tuples or dicts); got one "
+                        f"{type(data).__name__}: wrap it in a list, e.g. {name}=[x]")
+    try:
+        it = iter(data)
+    except TypeError:
+        raise TypeError(f"{name} must be an iterable of batches, got {type(data).__name__}") from None
+    out = []
+    for i, b in enumerate(it):
+        if limit is not None and i >= limit:
+            break
+        try:
+            out.append(inputs.normalize(b))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name}[{i}]: {e}") from None
+    return out
+
+
+def run(model: nn.Module, data: list[inputs.Args], device, what: str = "calibrating",
+        show: bool = True) -> list:
+    """Call ``model`` on every batch (moved to ``device``) and return the outputs; a batch the
+    model rejects raises an error that names its index."""
+    outs = []
+    with progress(show and len(data) > 1) as prog, torch.no_grad():
+        task = prog.add_task(what, total=len(data)) if prog is not None else None
+        for i, (a, k) in enumerate(data):
+            a, k = inputs.to((a, k), device)
+            try:
+                outs.append(model(*a, **k))
+            except Exception as e:
+                raise rejected(e, f"{what}: batch {i} was rejected by the model") from e
+            if prog is not None:
+                prog.advance(task)
+    return outs
+
+
+def rejected(e: Exception, where: str) -> Exception:
+    """``e`` re-made with ``where`` in front (same type where its constructor takes a message)."""
+    msg = f"{where}: {type(e).__name__}: {e}"
+    try:
+        return type(e)(msg)
+    except Exception:
+        return RuntimeError(msg)

@@ -1,0 +1,43 @@
+"""The recipe for serving a quantized model (what tk.optimize plans after tk.quantize).
+
+The model stays at the precision it was quantized in: no dtype cast, no layout or
+folding passes (a pt2e graph is already functional). What remains is compilation:
+on CPU inductor with freezing, which is what lowers pt2e's quantize/dequantize pairs
+around linears and convs into oneDNN int8 kernels with prepacked weights; on CUDA
+inductor without freezing (torchao's tensor subclasses carry their own kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..passes import registry
+from ..recipe import Recipe
+from .api import QuantInfo
+
+
+def plan(qi: QuantInfo, device: str, level: str) -> Recipe:
+    rep = qi.report
+    worst = rep.min_sqnr if rep.outputs and math.isfinite(rep.min_sqnr) else None
+    quant = registry.make("quantize", scheme=qi.config.scheme, backend=qi.backend, kept=tuple(rep.kept),
+                          min_sqnr_db=round(worst, 2) if worst is not None else None)
+    cpu = torch.device(device).type == "cpu"
+    notes = [f"quantized model ({qi.config.scheme} via {qi.backend}): served at the precision it was quantized in",
+             "inductor freezing lowers q/dq pairs to oneDNN int8 kernels" if cpu else
+             "inductor without freezing: torchao's tensor subclasses bring their kernels"]
+    return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=(quant,),
+                  compile=level != "O0", compile_options=(("freezing", True),) if cpu else (), notes=tuple(notes))
+
+
+def tolerances(qi: QuantInfo, n: int) -> list[float]:
+    """The guard's tolerance when the reference is the eager quantized model. Compiled int8
+    kernels round differently from the eager quantize/dequantize reference (requantization,
+    fused scales): each is about one quantization error e away from fp32, so they may be 2e
+    apart. Allowed: 4e (e: relative L2 error of that output against fp32, from the accuracy
+    report), at least 1e-3. A small CNN, int8-static: e = 0.0057, compiled vs eager 0.018, 100%
+    argmax agreement; a candidate that lost more precision than that fails."""
+    errs = {o.index: 10 ** (-o.sqnr_db / 20) for o in qi.report.outputs if math.isfinite(o.sqnr_db)}
+    default = max(errs.values(), default=0.05)
+    return [max(1e-3, 4 * errs.get(i, default)) for i in range(n)]

@@ -1,0 +1,99 @@
+"""The pt2e flow (torch.export -> prepare_pt2e with X86InductorQuantizer -> calibrate ->
+convert_pt2e), used on CPU for int8-static, int8-smoothquant and int8-dynamic.
+
+torchao owns the flow; torchkiln adds: export with every input dimension left dynamic where
+the model allows (a model calibrated at batch 8 still takes batch 1), modules kept in floating
+point by name, and the observers' state as JSON (calibration saved without pickle).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import inputs
+from .config import QuantConfig
+from .schemes import _quiet_torchao
+
+
+def _pt2e():
+    with _quiet_torchao():
+        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    return xiq, prepare_pt2e, convert_pt2e
+
+
+def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
+    """(graph module, dynamic): every tensor dimension dynamic if export allows, else static."""
+    args, kwargs = sample
+    try:
+        auto = torch.export.Dim.AUTO
+
+        def spec(v):
+            return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
+
+        shapes = {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
+        dyn = tuple(shapes["args"]) if not kwargs else None
+        ep = torch.export.export(model, args, kwargs, strict=False,
+                                 dynamic_shapes=dyn if dyn is not None else {**_arg_names(model, args),
+                                                                             **shapes["kwargs"]})
+        return ep.module(), True
+    except Exception:  # a model export cannot make dynamic: calibrated shapes only
+        return torch.export.export(model, args, kwargs, strict=False).module(), False
+
+
+def _arg_names(model: nn.Module, args: tuple) -> dict:
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    auto = torch.export.Dim.AUTO
+    return {p.name: ({d: auto for d in range(a.dim())} if isinstance(a, torch.Tensor) else None)
+            for p, a in zip(params, args, strict=False)}
+
+
+def quantizer(config: QuantConfig):
+    xiq, _, _ = _pt2e()
+    q = xiq.X86InductorQuantizer()
+    q.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=config.scheme == "int8-dynamic"))
+    for name in config.keep:
+        q.set_module_name_qconfig(name, None)
+    return q
+
+
+def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args) -> tuple[nn.Module, bool]:
+    _, prepare_pt2e, _ = _pt2e()
+    graph, dynamic = export(model, sample)
+    return prepare_pt2e(graph, quantizer(config)), dynamic
+
+
+def convert(prepared: nn.Module) -> nn.Module:
+    _, _, convert_pt2e = _pt2e()
+    out = convert_pt2e(prepared)
+    move = getattr(torch.ao.quantization, "move_exported_model_to_eval", None)
+    return move(out) if move is not None else out
+
+
+def observer_state(prepared: nn.Module) -> dict:
+    """Every observer's buffers (min/max, histogram) as JSON-ready lists."""
+    state = {}
+    for name, mod in prepared.named_modules():
+        if name.startswith("activation_post_process"):
+            state[name] = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                               "values": v.flatten().tolist()} for k, v in mod.state_dict().items()}
+    return state
+
+
+def load_observer_state(prepared: nn.Module, state: dict) -> None:
+    mods = {n: m for n, m in prepared.named_modules() if n.startswith("activation_post_process")}
+    if set(mods) != set(state):
+        raise ValueError(f"the calibration has {len(state)} observers, the prepared model {len(mods)}: it was "
+                         "calibrated for another model or configuration")
+    for name, mod in mods.items():
+        sd = {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+              for k, v in state[name].items()}
+        for k, v in sd.items():  # histogram observers size their buffers at the first batch
+            cur = getattr(mod, k, None)
+            if isinstance(cur, torch.Tensor) and cur.shape != v.shape:
+                setattr(mod, k, torch.empty_like(v))
+        mod.load_state_dict(sd)
