@@ -53,6 +53,22 @@ def run(model: nn.Module, data: list[inputs.Args], device, what: str = "calibrat
     return outs
 
 
+def layer_inputs(model: nn.Module, names: list[str], data: list[inputs.Args], device, on_input) -> None:
+    """Run ``data`` through ``model``, calling ``on_input(name, x)`` with the first input of each
+    named submodule at every call (forward pre-hooks, removed afterwards)."""
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_pre_hook(lambda _m, args, n=n: on_input(n, args[0].detach()))
+             for n in names]
+    try:
+        with torch.no_grad():
+            for a, k in data:
+                a, k = inputs.to((a, k), device)
+                model(*a, **k)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def rejected(e: Exception, where: str) -> Exception:
     """``e`` re-made with ``where`` in front (same type where its constructor takes a message)."""
     msg = f"{where}: {type(e).__name__}: {e}"

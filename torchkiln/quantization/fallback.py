@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from .. import inputs
 from .accuracy import sqnr
+from .calibrate import layer_inputs
 from .config import QuantConfig
 
 _STATIC_KINDS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -79,16 +80,7 @@ def sensitivity(model: nn.Module, config: QuantConfig, backend: str, data: list[
     """Each named layer's output SQNR (dB) under the scheme's simulated rounding; lower is worse."""
     mods = dict(model.named_modules())
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    hooks = [mods[n].register_forward_pre_hook(
-        lambda _m, args, n=n: seen[n].append(args[0].detach().float())) for n in names]
-    try:
-        with torch.no_grad():
-            for a, k in data:
-                a, k = inputs.to((a, k), device)
-                model(*a, **k)
-    finally:
-        for h in hooks:
-            h.remove()
+    layer_inputs(model, names, data, device, lambda n, x: seen[n].append(x.float()))
     out = {}
     with torch.no_grad():
         for n in names:

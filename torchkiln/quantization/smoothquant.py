@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import inputs
+from .calibrate import layer_inputs
 
 
 class SmoothedLinear(nn.Module):
@@ -30,27 +31,13 @@ class SmoothedLinear(nn.Module):
 
 def activation_absmax(model: nn.Module, data: list[inputs.Args], names: list[str], device) -> dict[str, torch.Tensor]:
     """Per input channel max |x| of each named linear over the calibration batches."""
-    mods = dict(model.named_modules())
     amax: dict[str, torch.Tensor] = {}
-    hooks = []
 
-    def hook(name):
-        def f(_m, args):
-            x = args[0].detach()
-            cur = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
-            amax[name] = torch.maximum(amax[name], cur) if name in amax else cur
-        return f
+    def record(name, x):
+        cur = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+        amax[name] = torch.maximum(amax[name], cur) if name in amax else cur
 
-    for n in names:
-        hooks.append(mods[n].register_forward_pre_hook(hook(n)))
-    try:
-        with torch.no_grad():
-            for a, k in data:
-                a, k = inputs.to((a, k), device)
-                model(*a, **k)
-    finally:
-        for h in hooks:
-            h.remove()
+    layer_inputs(model, names, data, device, record)
     return amax
 
 
