@@ -33,6 +33,7 @@ _EXPORTS = {
     "runtime": (".runtime", None),
     "quantize": (".quantization", "quantize"),
     "quantization": (".quantization", None),
+    "llm": (".llm", None),
 }
 
 __all__ = ["__version__", *_EXPORTS]

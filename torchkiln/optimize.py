@@ -38,6 +38,7 @@ from .modelutil import (
     has_conv,
     is_oom,
     model_device,
+    model_dtype,
     parse_dtype,
     tensors,
     training_module,
@@ -523,6 +524,11 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     compute = parse_dtype(dtype)
     hw = detect()
     target = _resolve_device(model, device, hw)
+    if quantize is None and _is_causal_lm(model):
+        from .llm import optimize as llm_optimize
+
+        # a decoder's generate() is what users run; its forward stays the model's own (in dtype)
+        return llm_optimize(model, dtype=compute if dtype is not None else model_dtype(model), device=target)
     if quantize is not None:
         from .quantization import quantize as _quantize
 
@@ -582,6 +588,15 @@ def _validate_model(model) -> None:
                         "(TorchScript is deprecated upstream). Pass the model before torch.jit.script/trace.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() expects a torch.nn.Module, got {type(model).__name__}")
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face decoder-only model with a language-model head (it can generate)."""
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    head = getattr(model, "get_output_embeddings", None)
+    return (config is not None and not getattr(config, "is_encoder_decoder", False) and callable(can)
+            and bool(can()) and callable(head) and isinstance(head(), nn.Linear))
 
 
 def _resolve_device(model: nn.Module, device, hw) -> torch.device:

@@ -1,0 +1,50 @@
+"""Tiny random-init configs of every supported family (CPU tests), with a peaked output
+head so greedy never hinges on a near-tie."""
+
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _configs():
+    import transformers as T
+
+    gqa = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "llama": (T.LlamaConfig, gqa),
+        "mistral": (T.MistralConfig, dict(gqa, sliding_window=4096)),
+        "qwen2": (T.Qwen2Config, gqa),
+        "qwen3": (T.Qwen3Config, dict(gqa, head_dim=16)),
+        "phi3": (T.Phi3Config, gqa),
+        "gemma": (T.GemmaConfig, dict(gqa, head_dim=16)),
+        "gpt2": (T.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+        "gpt_neox": (T.GPTNeoXConfig, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=256)),
+        "opt": (T.OPTConfig, dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                                  max_position_embeddings=256, word_embed_proj_dim=64)),
+    }
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2", "gpt_neox", "opt")
+
+
+def build(name: str, seed: int = 0, peak: float = 4.0):
+    import transformers as T
+
+    cls, kw = _configs()[name]
+    torch.manual_seed(seed)
+    config = cls(**kw, **COMMON)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # random-init weights are small; make every layer matter
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+        head = model.get_output_embeddings()
+        if head.weight is model.get_input_embeddings().weight:  # tied: untie so the peak does not scale inputs
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+        head.weight.mul_(peak)
+    return model

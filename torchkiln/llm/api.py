@@ -1,0 +1,273 @@
+"""tk.llm.optimize: a copy of a Hugging Face decoder whose generate() is the fast path.
+
+The returned object is the model's own class (isinstance, pipelines, save_pretrained,
+state_dict and load_state_dict all as before); only its ``generate`` is the fast one, set on
+this copy alone (no class or library is patched). Nothing here touches the caller's model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+import types
+
+import torch
+from torch import nn
+
+from .. import _log
+from .._log import warn_once
+from ..modelutil import first_line, model_device, model_dtype, parse_dtype
+from .generate import Fallback, resolve, run
+from .model import FastDecoder
+from .runner import Runner
+from .spec import Unsupported, read
+
+log = logging.getLogger(__name__)
+QUANT = {"int8": "int8-weight-only", "int4": "int4-weight-only"}
+FAMILIES = "Llama, Mistral, Qwen2/Qwen3, Phi-3, Gemma, GPT-2, GPT-NeoX, OPT and others built the same way"
+VERIFY_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+@dataclasses.dataclass
+class LLMReport:
+    path: str                       # "fast" or "stock" (the model's own generate, static cache)
+    reason: str                     # why the stock path (empty on the fast path)
+    device: str
+    dtype: str
+    quant: str | None
+    compile: bool
+    cudagraphs: bool
+    spec: dict | None = None
+    verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
+    quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
+    setup_s: float = 0.0
+    compile_s: list = dataclasses.field(default_factory=list)
+    cache: dict | None = None
+    fallbacks: list = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"torchkiln.llm: {self.path} path on {self.device}, {self.dtype}"
+                 + (f", weight-only {self.quant}" if self.quant else "")]
+        if self.reason:
+            lines.append(f"  why not fast: {self.reason}")
+        if self.path == "fast":
+            lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}); "
+                         f"compile s: {self.compile_s or 'not yet'}")
+            lines.append(f"  verified against the model's forward: max rel error {self.verify_error:.2e}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback: {f}")
+        return "\n".join(lines)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a Hugging Face ...ForCausalLM nn.Module, got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "generate", None)):
+        raise ValueError(f"{type(model).__name__} is not a Hugging Face generation model; tk.llm.optimize takes "
+                         f"decoder-only causal LMs ({FAMILIES}), e.g. AutoModelForCausalLM.from_pretrained(...)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; tk.llm.optimize takes decoder-only "
+                         f"causal LMs ({FAMILIES}). Use tk.optimize(model) for its forward")
+    can = getattr(model, "can_generate", None)
+    if model.get_output_embeddings() is None or (callable(can) and not can()):
+        raise ValueError(f"{type(model).__name__} has no language-model head (an encoder or base model); "
+                         f"tk.llm.optimize takes decoder-only causal LMs ({FAMILIES}). Use tk.optimize(model) "
+                         "for its forward")
+
+
+def _device(model, device) -> torch.device:
+    from ..hardware import detect
+    from ..optimize import _resolve_device
+
+    return _resolve_device(model, device, detect())
+
+
+def _auto_dtype(model, device: torch.device) -> torch.dtype:
+    """bf16 where the hardware runs it natively, else the model's own dtype."""
+    own = model_dtype(model)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else own
+    if device.type == "cpu":
+        from ..hardware import detect
+
+        return torch.bfloat16 if detect().cpu.bf16_native else own
+    return own
+
+
+def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, device=None,
+             compile: bool = True):
+    """A copy of ``model`` (a decoder-only Hugging Face causal LM) with a fast ``generate``.
+
+    dtype: None picks bf16 where the hardware runs it natively, else the model's dtype; an
+    explicit dtype is honoured. quant: None, "int8" or "int4" (weight-only, through
+    tk.quantization's torchao configs). max_seq_len: the KV-cache length (None: grows with
+    use, each new length compiles once). A model the fast path cannot read is returned
+    working on the model's own generate with a static cache, with a warning saying why.
+    """
+    _log.configure()
+    t0 = time.perf_counter()
+    _check_model(model)
+    if quant not in (None, *QUANT):
+        raise ValueError(f"quant={quant!r} is not one of None, 'int8', 'int4' (weight-only)")
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 2):
+        raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 2 (None: grow as needed)")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
+    target = _device(model, device)
+    dtype = _auto_dtype(model, target) if dtype is None else parse_dtype(dtype)
+    cudagraphs = compile and target.type == "cuda"
+    report = LLMReport("fast", "", str(target), str(dtype).removeprefix("torch."), quant, compile, cudagraphs)
+    work = copy.deepcopy(model).to(device=target, dtype=dtype).eval()
+    for p in work.parameters():
+        p.requires_grad_(False)
+    try:
+        runner = _build(work, target, dtype, quant, compile, max_seq_len, report)
+    except Unsupported as e:
+        return _stock(work, report, str(e), t0)
+    runner.reserve(max_batch_size, min(max_seq_len or 256, runner.decoder.spec.max_positions))
+    work.kiln_report = report
+    work._kiln_runner = runner
+    work.generate = types.MethodType(_generate, work)
+    report.setup_s = round(time.perf_counter() - t0, 2)
+    return work
+
+
+def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport) -> Runner:
+    """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
+    spec, parts = read(work)
+    if max_seq_len is not None and max_seq_len > spec.max_positions:
+        raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
+                         f"{spec.max_positions}")
+    decoder = FastDecoder(spec, parts)
+    runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)
+    # an alias of the head weight: a real .to() gives the parameter new storage, the alias keeps
+    # the old one; deepcopy clones each parameter on its own, which also shows here
+    runner.anchor = (parts.head.weight, parts.head.weight.detach())
+    report.spec = spec.to_dict()
+    reference = _verify(work, runner, dtype, report)
+    if quant is not None:
+        _quantize(decoder, quant, target)
+        report.quant_cosine = _quant_cosine(work, runner, reference)
+    return runner
+
+
+def _stock(work, report: LLMReport, reason: str, t0: float):
+    """The model's own generate with a static cache (transformers compiles its forward then)."""
+    report.path, report.reason, report.compile = "stock", reason, False
+    report.cudagraphs = False
+    warn_once(f"llm-stock:{type(work).__name__}", f"torchkiln.llm: {type(work).__name__} runs on transformers' own "
+              f"generate with a static cache, not the fast path: {reason}")
+    if getattr(work, "generation_config", None) is not None:
+        work.generation_config.cache_implementation = "static"
+    work.kiln_report = report
+    report.setup_s = round(time.perf_counter() - t0, 2)
+    return work
+
+
+def _probe(work, spec_vocab: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, spec_vocab, (1, 8), generator=g).to(device)
+
+
+@torch.no_grad()
+def _fast_logits(runner: Runner, ids: torch.Tensor, prompt: int) -> list:
+    """The fast decoder's logits for positions prompt-1 .. end of ``ids`` (eager, one step at a time)."""
+    d = runner.decoder
+    runner.reserve(ids.shape[0], ids.shape[1])
+    pos = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    out = [runner.prefill(ids[:, :prompt], torch.ones_like(ids[:, :prompt]), pos[:, :prompt])]
+    for t in range(prompt, ids.shape[1]):
+        out.append(d(ids[:, t:t + 1], torch.tensor([t], device=ids.device), pos[:, t:t + 1]))
+    return out
+
+
+@torch.no_grad()
+def _verify(work, runner: Runner, dtype, report: LLMReport) -> list:
+    """The fast decoder against the model's own forward on one prompt: prefill and two decode
+    steps. A structure read wrongly shows here, before any user call; it is then Unsupported."""
+    ids = _probe(work, runner.decoder.spec.vocab, runner.device)
+    prompt = ids.shape[1] - 2
+    try:
+        ref = work(input_ids=ids, use_cache=False).logits[:, prompt - 1:].float()
+        got = _fast_logits(runner, ids, prompt)
+    except Exception as e:  # noqa: BLE001 - a model the fast path misreads is served the stock way
+        raise Unsupported(f"the fast decoder failed on a probe prompt ({first_line(e)})") from e
+    err = max(float((g - ref[:, i]).norm() / ref[:, i].norm().clamp_min(1e-12)) for i, g in enumerate(got))
+    report.verify_error = err
+    if not err <= VERIFY_TOL.get(dtype, 1e-3):
+        raise Unsupported(f"the fast decoder's logits differ from the model's forward by {err:.2e} relative "
+                          f"(allowed {VERIFY_TOL.get(dtype, 1e-3):.0e}); its structure was not read correctly")
+    return [r for r in ref.unbind(1)]
+
+
+def _quantize(decoder: FastDecoder, quant: str, device: torch.device) -> None:
+    """Weight-only int8/int4 on the decoder's own Linears (the model's forward keeps its float
+    weights), through tk.quantization's torchao configs."""
+    from ..quantization.config import QuantConfig
+    from ..quantization.schemes import torchao, torchao_config
+
+    config = torchao_config(QuantConfig(QUANT[quant]), device)
+    torchao().quantize_(decoder, config, filter_fn=lambda m, name: isinstance(m, nn.Linear))
+
+
+def _quant_cosine(work, runner: Runner, reference: list) -> float:
+    ids = _probe(work, runner.decoder.spec.vocab, runner.device)
+    got = _fast_logits(runner, ids, ids.shape[1] - 2)
+    return min(float(torch.nn.functional.cosine_similarity(g.flatten(), r.flatten(), dim=0))
+               for g, r in zip(got, reference, strict=False))
+
+
+def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs):
+    """transformers' generate, on the fast path; anything it does not do goes to the model's
+    own generate with a warning naming the argument."""
+    runner: Runner = self._kiln_runner
+    report: LLMReport = self.kiln_report
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    mask = kwargs.get("attention_mask")
+    rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
+    try:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise Fallback("inputs= other than a (batch, length) tensor of token ids")
+        if _moved(runner):
+            runner = _rebuild(self, runner, report)
+        req = resolve(self, ids.shape[1], generation_config, rest)
+        with torch.no_grad():
+            seq, scores, logits = run(runner, ids, mask, req, streamer)
+    except Fallback as f:
+        report.fallbacks.append(f"generate({f}) -> the model's own generate")
+        warn_once(f"llm-generate:{f}", f"torchkiln.llm: generate({f}) is not on the fast path; running the "
+                  "model's own generate for this call")
+        return type(self).generate(self, inputs, generation_config=generation_config, streamer=streamer, **kwargs)
+    if not req.return_dict:
+        return seq
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return GenerateDecoderOnlyOutput(sequences=seq, scores=tuple(scores) if req.output_scores else None,
+                                     logits=tuple(logits) if req.output_logits else None)
+
+
+def _rebuild(model, old: Runner, report: LLMReport) -> Runner:
+    """After a real .to() or a deepcopy the decoder no longer reads the model's weights: build it
+    again over the weights as they are now (new device/dtype: verified and compiled again)."""
+    target, dtype = model_device(model), model_dtype(model)
+    try:
+        runner = _build(model, target, dtype, report.quant, old.compile, old.max_seq_len, report)
+    except Unsupported as e:
+        raise Fallback(f"a model moved or cast to {target}/{dtype} the fast path cannot take ({e})") from e
+    report.device, report.dtype = str(target), str(dtype).removeprefix("torch.")
+    report.cudagraphs = runner.cudagraphs
+    model._kiln_runner = runner
+    log.info("torchkiln.llm: decoder rebuilt for %s/%s", target, dtype)
+    return runner
+
+
+def _moved(runner: Runner) -> bool:
+    """The decoder reads the model's weights in place; a real .to() gives them new storage."""
+    param, alias = runner.anchor
+    return param.untyped_storage().data_ptr() != alias.untyped_storage().data_ptr()

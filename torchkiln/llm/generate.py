@@ -1,0 +1,163 @@
+"""generate() for the fast path: transformers' argument handling, prefill + decode over the
+static cache, stop tokens, left-padded batches, streaming, and a named fallback to the
+model's own generate for anything the fast path does not do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .sampling import Sampling, choose, process
+
+# transformers' defaults for what a GenerationConfig leaves unset (its
+# _get_default_generation_params); repeated so older transformers versions resolve the same
+DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+            "repetition_penalty": 1.0, "min_new_tokens": 0}
+TAKEN = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+         "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "output_scores", "output_logits",
+         "return_dict_in_generate")
+# generation settings the fast path does not implement, with the value meaning "off"
+NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "no_repeat_ngram_size": 0,
+           "bad_words_ids": None, "force_words_ids": None, "constraints": None, "min_p": None, "typical_p": 1.0,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "renormalize_logits": False, "suppress_tokens": None,
+           "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
+           "watermarking_config": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+           "exponential_decay_length_penalty": None, "stop_strings": None, "prompt_lookup_num_tokens": None,
+           "output_attentions": False, "output_hidden_states": False, "min_length": 0, "max_time": None,
+           "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None, "top_h": None,
+           "encoder_repetition_penalty": 1.0, "low_memory": None, "min_tokens_to_keep": 1}
+# generate() keywords outside GenerationConfig that only the model's own generate understands
+FOREIGN = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
+           "negative_prompt_ids", "negative_prompt_attention_mask", "past_key_values", "inputs_embeds",
+           "synced_gpus", "tokenizer", "assistant_tokenizer", "custom_generate", "position_ids",
+           "cache_position", "token_type_ids")
+IGNORED = ("use_cache", "cache_implementation", "compile_config", "disable_compile", "streamer_timeout")
+
+
+class Fallback(Exception):
+    """This call goes to the model's own generate; the message names the argument."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    max_new_tokens: int
+    sampling: Sampling
+    pad: int | None
+    output_scores: bool
+    output_logits: bool
+    return_dict: bool
+
+
+def _is_off(value, neutral) -> bool:
+    return value is None or value == neutral or (neutral is None and value in (0, 1.0, False, [], ()))
+
+
+def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
+    """Merge kwargs over generation_config over the model's generation_config over
+    transformers' defaults; raise Fallback naming an argument the fast path does not take."""
+    for key in FOREIGN:
+        if kwargs.get(key) is not None:
+            raise Fallback(f"{key}=")
+    layers = [kwargs, vars(generation_config) if generation_config is not None else {},
+              vars(getattr(model, "generation_config", None) or object())]
+
+    def get(name, default=None):
+        for layer in layers:
+            v = layer.get(name)
+            if v is not None:
+                return v
+        return DEFAULTS.get(name, default)
+
+    for key, neutral in NEUTRAL.items():
+        v = get(key)
+        if not _is_off(v, neutral):
+            raise Fallback(f"{key}={v!r}")
+    unknown = set(kwargs) - set(TAKEN) - set(NEUTRAL) - set(FOREIGN) - set(IGNORED)
+    if unknown:
+        raise Fallback(f"{sorted(unknown)[0]}=")
+    new = kwargs.get("max_new_tokens")
+    if new is None:
+        new = get("max_new_tokens") if kwargs.get("max_length") is None else None
+    if new is None:
+        new = get("max_length") - prompt_len
+    if new < 0 or (new == 0 and kwargs.get("max_new_tokens") is None):
+        raise ValueError(f"the prompt has {prompt_len} tokens, not fewer than max_length={get('max_length')}; "
+                         "pass max_new_tokens= (the number of tokens to add)")
+    eos = get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    if isinstance(eos, tuple) and any(isinstance(e, torch.Tensor) for e in eos):
+        eos = tuple(int(e) for e in eos)
+    do_sample = bool(get("do_sample"))
+    sampling = Sampling(do_sample=do_sample, temperature=float(get("temperature")),
+                        top_k=int(get("top_k")) if do_sample and get("top_k") else None,
+                        top_p=float(get("top_p")) if do_sample else None,
+                        repetition_penalty=float(get("repetition_penalty")),
+                        min_new_tokens=int(get("min_new_tokens")), eos=eos)
+    pad = get("pad_token_id")
+    return Request(int(new), sampling, None if pad is None else int(pad), bool(get("output_scores", False)),
+                   bool(get("output_logits", False)), bool(get("return_dict_in_generate", False)))
+
+
+def left_padding(mask: torch.Tensor) -> torch.Tensor:
+    """Pad count per row; Fallback for a mask that is not left padding (zeros after ones)."""
+    m = mask.bool()
+    if bool((m[:, 1:].int() < m[:, :-1].int()).any()):
+        raise Fallback("attention_mask= with right padding (the fast path decodes left-padded batches; "
+                       "set tokenizer.padding_side='left')")
+    return (~m).sum(dim=1)
+
+
+def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, streamer=None, generator=None):
+    """Prefill, then one token per step until max_new_tokens or every row has stopped.
+    Returns (sequences, scores, logits) with scores/logits lists (empty unless asked)."""
+    B, L = ids.shape
+    if mask is None:
+        mask = torch.ones_like(ids)
+    pads = left_padding(mask)
+    s = req.sampling
+    pad = req.pad
+    if bool(pads.any()) and pad is None:
+        if not s.eos:
+            raise ValueError("this batch is padded but neither pad_token_id nor eos_token_id is set; set "
+                             "tokenizer.pad_token (e.g. tokenizer.pad_token = tokenizer.eos_token) and pass "
+                             "pad_token_id=tokenizer.pad_token_id")
+    if pad is None and s.eos:
+        pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
+    runner.reserve(B, L + req.max_new_tokens)
+    dev = runner.device
+    ids = ids.to(dev)
+    mask = mask.to(dev)
+    # transformers' positions: cumulative count of real tokens, minus one (padding: 0 here, unread)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    logits = runner.prefill(ids, mask, positions)
+    seq = ids
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    scores_out, logits_out = [], []
+    slot = torch.tensor([L], device=dev)
+    pos = positions[:, -1:] + 1
+    for i in range(req.max_new_tokens):
+        if req.output_logits:
+            logits_out.append(logits.clone())
+        scores = process(logits, seq, i, s)
+        if req.output_scores:
+            scores_out.append(scores.clone())
+        nxt = choose(scores, s, generator)
+        if pad is not None:
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        if streamer is not None:
+            streamer.put(nxt.cpu())
+        if s.eos:
+            done = done | torch.isin(nxt, torch.tensor(s.eos, device=dev))
+            if bool(done.all()):
+                break
+        if i + 1 < req.max_new_tokens:
+            logits = runner.decode(nxt[:, None], slot, pos)
+            slot += 1
+            pos += 1
+    if streamer is not None:
+        streamer.end()
+    return seq, scores_out, logits_out

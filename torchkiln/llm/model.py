@@ -1,0 +1,176 @@
+"""The fast decoder: one forward for every family a DecoderSpec describes, over a static KV cache.
+
+gpt-fast's shape (pre-allocated cache written in place, a boolean mask over the whole cache,
+one forward for prefill and decode), run over the model's own modules: the embedding, norms
+and activation are the model's objects, so their numerics (Gemma's 1+w RMSNorm, the embedding
+scale, GELU variants) are exactly the model's; only attention, rotary and the projections are
+written here. Projections are fused (one GEMM for q/k/v, one for gate/up): at batch 1 each
+GEMM is a weight read plus a fixed launch cost, and fewer launches is what the decode step
+is short of.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .spec import DecoderSpec, Parts
+
+
+def _weight(m: nn.Module, transposed: bool) -> torch.Tensor:
+    return m.weight.t() if transposed else m.weight
+
+
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear over existing tensors (no copy): torchao's quantize_ and the compiler both
+    want real nn.Linear modules."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+    return lin
+
+
+def fuse(mods: list, transposed: bool) -> nn.Linear:
+    """One Linear computing ``mods`` side by side. Several modules: their weights are copied
+    into one tensor and each module's own parameter becomes a view of its rows, so the model's
+    forward, state_dict and load_state_dict keep working on the same memory (checkpoints load
+    both ways, nothing is held twice)."""
+    if len(mods) == 1:
+        m = mods[0]
+        return linear_of(_weight(m, transposed), m.bias)
+    weight = torch.cat([_weight(m, transposed).detach() for m in mods])
+    has_bias = [m.bias is not None for m in mods]
+    bias = torch.cat([m.bias.detach() for m in mods]) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.weight.shape[0])
+                          for m in mods])
+    row = 0
+    for m in mods:
+        n = _weight(m, transposed).shape[0]
+        view = weight[row:row + n]
+        m.weight = nn.Parameter(view.t() if transposed else view, requires_grad=m.weight.requires_grad)
+        if m.bias is not None:
+            m.bias = nn.Parameter(bias[row:row + n], requires_grad=m.bias.requires_grad)
+        row += n
+    return linear_of(weight, bias)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on the first cos.shape[-1] dims of each head (the rest pass through),
+    the half-split form transformers uses: x*cos + rotate_half(x)*sin."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    a, b = rot.chunk(2, dim=-1)
+    out = rot * cos + torch.cat((-b, a), dim=-1) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: DecoderSpec, blk, index: int):
+        super().__init__()
+        self.spec, self.scaling = spec, spec.scaling[index]
+        self.norm1, self.norm2, self.act = blk.norm1, blk.norm2, blk.act
+        self.q_norm, self.k_norm = blk.q_norm, blk.k_norm
+        t = spec.qkv_transposed
+        self.qkv = fuse(blk.qkv, t)
+        self.out = linear_of(_weight(blk.out, t), blk.out.bias)
+        self.up = fuse(blk.mlp_in, t)
+        self.down = linear_of(_weight(blk.mlp_out, t), blk.mlp_out.bias)
+        # buffers, so the compiler (and CUDA graphs) treat the cache as static state
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def attention(self, x, cos, sin, slots, mask):
+        s = self.spec
+        B, T, _ = x.shape
+        H, KV, D = s.n_heads, s.n_kv_heads, s.head_dim
+        qkv = self.qkv(x)
+        if s.qkv_layout == "headwise":  # [h, 3, d] rows (GPT-NeoX)
+            q, k, v = qkv.view(B, T, H, 3 * D).split(D, dim=-1)
+        else:
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cos is not None:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        self.k_cache.index_copy_(2, slots, k)
+        self.v_cache.index_copy_(2, slots, v)
+        keys, values = self.k_cache, self.v_cache
+        if KV != H:
+            keys, values = keys.repeat_interleave(H // KV, dim=1), values.repeat_interleave(H // KV, dim=1)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        return self.out(o.transpose(1, 2).reshape(B, T, H * D))
+
+    def mlp(self, x):
+        h = self.up(x)
+        if self.spec.mlp == "gated":
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.down(h)
+
+    def forward(self, x, cos, sin, slots, mask):
+        if self.spec.parallel_residual:
+            return x + self.attention(self.norm1(x), cos, sin, slots, mask) + self.mlp(self.norm2(x))
+        x = x + self.attention(self.norm1(x), cos, sin, slots, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class FastDecoder(nn.Module):
+    """Not registered inside the model: its tensors are the model's own (or views of them)."""
+
+    def __init__(self, spec: DecoderSpec, parts: Parts):
+        super().__init__()
+        self.spec = spec
+        self.embed, self.pos_embed, self.norm = parts.embed, parts.pos_embed, parts.final_norm
+        self.head = linear_of(parts.head.weight, parts.head.bias)
+        self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
+        self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
+        for name in ("key_ok", "slot_ids", "cos", "sin"):
+            self.register_buffer(name, None, persistent=False)
+        self.batch = self.seq = 0
+
+    def setup_cache(self, batch: int, seq: int) -> None:
+        """(Re)allocate the KV cache and the tables that depend on its length."""
+        s, w = self.spec, self.head.weight
+        dtype = w.dtype if w.is_floating_point() else self.norm.weight.dtype
+        dev = self.norm.weight.device
+        for layer in self.layers:
+            layer.k_cache = torch.zeros(batch, s.n_kv_heads, seq, s.head_dim, dtype=dtype, device=dev)
+            layer.v_cache = torch.zeros(batch, s.n_kv_heads, seq, s.head_dim, dtype=dtype, device=dev)
+        self.key_ok = torch.ones(batch, seq, dtype=torch.bool, device=dev)  # False: a padding slot
+        self.slot_ids = torch.arange(seq, device=dev)
+        if self._inv_freq is not None:
+            # transformers' rotary: fp32 angles pos * inv_freq, cos/sin scaled, then cast
+            pos = torch.arange(seq, device=dev, dtype=torch.float32)
+            freqs = pos[:, None] * self._inv_freq.to(dev, torch.float32)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos = (emb.cos() * self._rope_scale).to(dtype)
+            self.sin = (emb.sin() * self._rope_scale).to(dtype)
+        self.batch, self.seq = batch, seq
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write ``tokens`` (B, T) into cache ``slots`` (T,) at ``positions`` (B, T); return the
+        last position's logits (B, vocab) in float32, as transformers' generate scores them."""
+        s = self.spec
+        x = self.embed(tokens)
+        cos = sin = None
+        if s.positions == "learned":
+            x = x + F.embedding(positions + s.position_offset, self.pos_embed.weight)
+        else:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        keys = self.slot_ids[None, :]
+        allowed = keys <= slots[:, None]
+        if s.sliding_window is not None:
+            allowed = allowed & (keys > slots[:, None] - s.sliding_window)
+        # a query always sees its own slot: a left-padding row, fully masked otherwise, would
+        # give NaN through softmax; its output is never read, the real rows never see it
+        mask = (self.key_ok[:, None, None, :] & allowed[None, None]) | (keys == slots[:, None])[None, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, mask)
+        return self.head(self.norm(x[:, -1:]))[:, 0].float()

@@ -1,0 +1,89 @@
+"""The decode engine behind a fast generate(): the FastDecoder, its cache, and the compiled steps.
+
+Prefill runs the decoder eagerly: its length changes with every prompt, it runs once per
+generate, and at batch 1 its cost is the same weight read as one decode step. The decode
+step (batch B, one token) is compiled once per (batch, cache length) with static shapes;
+on CUDA with CUDA graphs (mode="reduce-overhead"), because at batch 1 the step is a few
+hundred small kernels whose launch cost, not the weight read, is what an eager step pays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .._log import warn_once
+from ..modelutil import first_line, is_oom
+from .model import FastDecoder
+
+log = logging.getLogger(__name__)
+CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length compiles once
+
+
+class Runner:
+    def __init__(self, decoder: FastDecoder, device: torch.device, compile: bool, cudagraphs: bool,
+                 max_seq_len: int | None, report):
+        self.decoder, self.device = decoder, device
+        self.compile, self.cudagraphs = compile, cudagraphs
+        self.max_seq_len, self.report = max_seq_len, report
+        self._step = None
+        self._compiled_for = None
+
+    def reserve(self, batch: int, need: int) -> None:
+        """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
+        model's own limit), else reuse, else (re)allocate rounded up."""
+        spec = self.decoder.spec
+        limit = self.max_seq_len or spec.max_positions
+        if need > limit:
+            what = f"max_seq_len={self.max_seq_len}" if self.max_seq_len else \
+                f"the model's max_position_embeddings={spec.max_positions}"
+            raise ValueError(f"prompt plus max_new_tokens is {need} tokens, more than {what}; "
+                             "shorten the prompt or max_new_tokens" +
+                             (", or pass a larger max_seq_len= to tk.llm.optimize" if self.max_seq_len else ""))
+        if spec.sliding_window is not None and need > spec.sliding_window:
+            raise ValueError(f"{need} tokens exceed the model's sliding_window={spec.sliding_window}; the fast "
+                             "path keeps a full cache. Use fewer tokens or the model's own generate")
+        d = self.decoder
+        if d.batch == batch and d.seq >= need:
+            return
+        seq = self.max_seq_len or min(limit, -(-need // CACHE_ROUND) * CACHE_ROUND)
+        d.setup_cache(batch, seq)
+        self.report.cache = {"batch": batch, "seq": seq}
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        d = self.decoder
+        d.key_ok.fill_(True)
+        d.key_ok[:, :ids.shape[1]] = mask.bool()
+        return d(ids, torch.arange(ids.shape[1], device=self.device), positions)
+
+    @torch.no_grad()
+    def decode(self, token: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        key = (self.decoder.batch, self.decoder.seq)
+        if self._step is None or self._compiled_for != key:
+            self._step = self._build()
+            self._compiled_for = key
+            t0 = time.perf_counter()
+            try:
+                out = self._step(token, slot, pos)
+            except Exception as e:  # noqa: BLE001 - never fail where the eager step works
+                if not self.compile or is_oom(e):
+                    raise
+                self.compile = self.cudagraphs = False
+                self.report.fallbacks.append(f"compiled decode step -> eager: {first_line(e)}")
+                warn_once("llm-compile", f"torchkiln.llm: the compiled decode step failed ({first_line(e)}); "
+                          "decoding eagerly")
+                self._step = self.decoder
+                return self._step(token, slot, pos)
+            if self.compile:
+                self.report.compile_s.append(round(time.perf_counter() - t0, 2))
+            return out
+        return self._step(token, slot, pos)
+
+    def _build(self):
+        if not self.compile:
+            return self.decoder
+        mode = "reduce-overhead" if self.cudagraphs else None
+        return torch.compile(self.decoder, mode=mode, fullgraph=True, dynamic=False)
