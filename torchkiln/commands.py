@@ -18,7 +18,7 @@ def _shape(text: str | None):
 
 def _add_model_args(p, default_batch: int = 1) -> None:
     p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
-                               "or package.module:callable")
+                               "or package.module:callable; `bench llm` times tk.llm decoding")
     p.add_argument("--batch", type=int, default=default_batch)
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models")
     p.add_argument("--shape", help="input shape for a callable that returns a bare model, e.g. 1,3,224,224")
@@ -75,7 +75,35 @@ def _bench(args, model_name: str) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.model == "llm":
+        return _bench_llm(args)
     return _bench(args, args.model)
+
+
+def _bench_llm(args) -> int:
+    """`torchkiln bench llm`: tk.llm against transformers' generate (eager and static cache)."""
+    from .llm import bench as llm_bench
+    from .modelutil import parse_dtype
+
+    if args.config not in llm_bench.CONFIGS:
+        raise ValueError(f"--config {args.config!r} is not one of {sorted(llm_bench.CONFIGS)}")
+    quant = tuple(q for q in (args.quant or "").split(",") if q)
+    bad = [q for q in quant if q not in ("int8", "int4")]
+    if bad:
+        raise ValueError(f"--quant {bad[0]!r} is not int8 or int4 (a comma list: --quant int8,int4)")
+    peers = tuple(args.peers.split(",")) if args.peers else ("hf-eager", "hf-static", "torchkiln")
+    rows, info = llm_bench.run(args.config, args.device or "cpu", parse_dtype(args.dtype), quant, args.batch,
+                               args.prompt, args.new_tokens, args.rounds, peers,
+                               progress=not args.json and not args.no_progress)
+    if args.json:
+        print(json.dumps({"info": info, "rows": [r.__dict__ for r in rows]}, indent=2, default=str))
+    else:
+        print(llm_bench.table(rows, info))
+    if args.results:
+        cmd = "torchkiln " + " ".join(args._argv)
+        with open(args.results, "a") as f:
+            f.write(f"\n### {date.today()} `{cmd}`\n\n{llm_bench.table(rows, info)}\n")
+    return 0
 
 
 def _default_demo_model() -> str:
@@ -135,6 +163,13 @@ def register(sub, common) -> None:
     b.add_argument("--peak", action="store_true", help="also measure the GEMM peak and report %% of it")
     b.add_argument("--results", help="append the table to this markdown file (e.g. benchmarks/RESULTS.md)")
     b.add_argument("--no-progress", action="store_true")
+    g = b.add_argument_group("bench llm (MODEL = llm): decode speed against transformers' generate")
+    g.add_argument("--config", default="llama-125m", help="llama-125m | llama-350m | llama-1b | llama-3-8b "
+                                                         "(random weights)")
+    g.add_argument("--quant", default="", help="also time weight-only int8/int4: e.g. int8,int4")
+    g.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    g.add_argument("--new-tokens", type=int, default=128)
+    g.add_argument("--rounds", type=int, default=5)
     b.set_defaults(func=_cmd_bench)
 
     d = sub.add_parser("demo", parents=[common], help="optimize a built-in model and show the side-by-side")

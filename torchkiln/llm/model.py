@@ -99,10 +99,10 @@ class Layer(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
-        keys, values = self.k_cache, self.v_cache
-        if KV != H:
-            keys, values = keys.repeat_interleave(H // KV, dim=1), values.repeat_interleave(H // KV, dim=1)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+        # grouped KV heads go to SDPA as they are (enable_gqa, torch >= 2.5): expanding the whole
+        # cache per step was two copy kernels per layer in the H200 decode profile
+        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scaling,
+                                           enable_gqa=KV != H)
         return self.out(o.transpose(1, 2).reshape(B, T, H * D))
 
     def mlp(self, x):

@@ -20,6 +20,10 @@ from .model import FastDecoder
 
 log = logging.getLogger(__name__)
 CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length compiles once
+# Compile options for the decode step, per compile (never the global inductor config).
+# "triton.cudagraphs" is what mode="reduce-overhead" sets; coordinate-descent tuning tunes the
+# batch-1 GEMV/reduction kernels' launch configs (gpt-fast sets it globally).
+CUDA_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 
 
 class Runner:
@@ -30,6 +34,7 @@ class Runner:
         self.max_seq_len, self.report = max_seq_len, report
         self._step = None
         self._compiled_for = None
+        self.options = dict(CUDA_OPTIONS) if cudagraphs else {}
 
     def reserve(self, batch: int, need: int) -> None:
         """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
@@ -85,5 +90,4 @@ class Runner:
     def _build(self):
         if not self.compile:
             return self.decoder
-        mode = "reduce-overhead" if self.cudagraphs else None
-        return torch.compile(self.decoder, mode=mode, fullgraph=True, dynamic=False)
+        return torch.compile(self.decoder, options=self.options or None, fullgraph=True, dynamic=False)

@@ -1,0 +1,88 @@
+"""Why tk.llm's CUDA decode step runs at its rate: compile options side by side (one process,
+interleaved rounds), weight-only int8/int4 at the chosen options, and a kernel profile of one
+decoded sequence. Run on the GPU:
+
+    python benchmarks/diag_llm_options.py --config llama-3-8b
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import torchkiln as tk
+from torchkiln.llm import bench
+
+VARIANTS = {
+    "cudagraphs": {"triton.cudagraphs": True},
+    "cudagraphs+coordinate_descent": {"triton.cudagraphs": True, "coordinate_descent_tuning": True},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="llama-3-8b")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quant", default="int8,int4")
+    ap.add_argument("--profile", action="store_true", help="a kernel profile of 16 decoded tokens per variant")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    model = bench.build(a.config, dev, torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(dev)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    fasts, first = {}, {}
+    for name, opts in [(v, VARIANTS[v]) for v in a.variants.split(",") if v]:
+        f = tk.llm.optimize(model, dtype=torch.bfloat16)
+        f._kiln_runner.options = dict(opts)
+        fasts[name] = f
+    from torchkiln.llm import quant as llm_quant
+
+    for q in [q for q in a.quant.split(",") if q]:  # int4-tinygemm / int4-expression: force one kernel
+        llm_quant.INT4_IMPL = {"int4-tinygemm": "torchao", "int4-expression": "expression"}.get(q, "auto")
+        fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
+    llm_quant.INT4_IMPL = "auto"
+    for name, f in fasts.items():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        f.generate(ids, max_new_tokens=a.new, **kw)
+        torch.cuda.synchronize()
+        first[name] = time.perf_counter() - t
+        f.generate(ids, max_new_tokens=1, **kw)
+        print(f"{name}: first generate {first[name]:.1f} s, report: compile {f.kiln_report.compile_s} "
+              f"quant cosine {f.kiln_report.quant_cosine} verify {f.kiln_report.verify_error:.3g}", flush=True)
+    times = {n: {"n": [], "1": []} for n in fasts}
+    for _ in range(a.rounds):
+        for name, f in fasts.items():
+            for key, n in (("n", a.new), ("1", 1)):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                f.generate(ids, max_new_tokens=n, **kw)
+                torch.cuda.synchronize()
+                times[name][key].append(time.perf_counter() - t)
+    wb = bench.weight_bytes(model, None)
+    bw = bench.copy_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; bf16 weights {wb / 1e9:.2f} GB")
+    print("| variant | tok/s (128 new) | decode ms/token | decode tok/s | weight GB/s | % copy bw |")
+    print("|---|---|---|---|---|---|")
+    for name in fasts:
+        tn, t1 = statistics.median(times[name]["n"]), statistics.median(times[name]["1"])
+        dec = (tn - t1) / (a.new - 1)
+        q = name.split("-")[0] if name.startswith("int") else None
+        gbps = bench.weight_bytes(model, q) / dec / 1e9
+        print(f"| {name} | {a.new / tn:.1f} | {dec * 1e3:.2f} | {1 / dec:.1f} | {gbps:.0f} | {100 * gbps * 1e9 / bw:.0f}% |")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, f in fasts.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                f.generate(ids, max_new_tokens=16, **kw)
+                torch.cuda.synchronize()
+            print(f"--- {name}: CUDA kernels over 16 tokens")
+            print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=80))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""`torchkiln bench llm`: decode speed of tk.llm against transformers' generate, in one process.
+
+Peers, each generating the same greedy tokens from the same prompt, timed in interleaved
+rounds (one call of each per round, medians reported):
+- ``hf-eager``: the model's own generate (dynamic cache), the way most users run it;
+- ``hf-static``: generate with ``cache_implementation="static"`` (transformers compiles the
+  forward itself then, where it decides to);
+- ``torchkiln`` (and ``torchkiln-int8`` / ``-int4`` with --quant).
+
+Per peer: prefill latency (generate of one token), per-token decode latency ((T(n) - T(1)) /
+(n - 1)), tokens/s (n / T(n), what users see), the weight bandwidth that decode rate implies
+(weight bytes read per token x decode tokens/s) and its share of the device's copy bandwidth
+measured in the same run, and the first call's time (compile included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from ..timing import synchronize
+
+CONFIGS = {  # LlamaConfig fields; random weights
+    "llama-125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    "llama-350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+BITS = {None: None, "int8": 8, "int4": 4.25}  # int4: 4 bits + a bf16 scale and zero per 128 weights
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype):
+    import transformers as T
+
+    cfg = T.LlamaConfig(**CONFIGS[name], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = T.LlamaForCausalLM(cfg).to(dtype).eval()
+    return model
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes moved per second by a large copy (read + write), the practical roofline."""
+    n = (256 << 20) if device.type == "cuda" else (64 << 20)
+    a, b = torch.randn(n, device=device), torch.empty(n, device=device)
+    times = []
+    for _ in range(7):
+        synchronize(device)
+        t = time.perf_counter()
+        b.copy_(a)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / statistics.median(times[2:])
+
+
+def weight_bytes(model, quant: str | None) -> int:
+    """Bytes of weights one decode step reads: every Linear (the output head included), not the
+    embedding table (one row per token)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            bits = BITS[quant] or m.weight.element_size() * 8
+            total += int(m.weight.numel() * bits / 8)
+    return total
+
+
+@dataclasses.dataclass
+class Row:
+    peer: str
+    first_s: float
+    prefill_ms: float
+    decode_ms: float
+    tok_s: float
+    gbps: float
+    share: float
+
+
+def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), batch: int = 1,
+        prompt: int = 16, new: int = 128, rounds: int = 5, peers=("hf-eager", "hf-static", "torchkiln"),
+        progress: bool = True) -> tuple[list, dict]:
+    import torchkiln as tk
+
+    device = torch.device(device)
+    model = build(name, device, dtype)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    gens, wbytes, first = {}, {}, {}
+
+    def add(peer, fn, nbytes):
+        gens[peer], wbytes[peer] = fn, nbytes
+
+    base = weight_bytes(model, None)
+    if "hf-eager" in peers:
+        add("hf-eager", lambda n: model.generate(ids, max_new_tokens=n, **kw), base)
+    if "hf-static" in peers:
+        add("hf-static", lambda n: model.generate(ids, max_new_tokens=n, cache_implementation="static", **kw), base)
+    fast = {}
+    for q in (None, *quant):
+        peer = "torchkiln" + (f"-{q}" if q else "")
+        if peer.split("-")[0] in peers or "torchkiln" in peers:
+            t = time.perf_counter()
+            fast[peer] = tk.llm.optimize(model, dtype=dtype, quant=q, device=device, max_seq_len=None)
+            setup = time.perf_counter() - t
+            add(peer, (lambda m: lambda n: m.generate(ids, max_new_tokens=n, **kw))(fast[peer]),
+                weight_bytes(model, q))
+            first[peer] = setup
+    bw = copy_bandwidth(device)
+    reference = None
+    for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
+        if progress:
+            print(f"  first call: {peer} ...", flush=True)
+        synchronize(device)
+        t = time.perf_counter()
+        out = fn(new)
+        synchronize(device)
+        first[peer] = first.get(peer, 0.0) + time.perf_counter() - t
+        fn(1)
+        if reference is None:
+            reference = out
+        elif not peer.endswith(("int8", "int4")) and not torch.equal(out, reference):
+            # bf16 kernels may flip a near-tie on random weights; count, do not hide
+            first[peer + " (tokens differ from hf-eager)"] = float((out != reference).sum())
+    times = {p: {"n": [], "1": []} for p in gens}
+    for r in range(rounds):
+        if progress:
+            print(f"  round {r + 1}/{rounds}", flush=True)
+        for peer, fn in gens.items():
+            for key, n in (("n", new), ("1", 1)):
+                synchronize(device)
+                t = time.perf_counter()
+                fn(n)
+                synchronize(device)
+                times[peer][key].append(time.perf_counter() - t)
+    rows = []
+    for peer in gens:
+        tn, t1 = statistics.median(times[peer]["n"]), statistics.median(times[peer]["1"])
+        dec = (tn - t1) / (new - 1)
+        gbps = wbytes[peer] / dec / 1e9
+        rows.append(Row(peer, round(first[peer], 1), t1 * 1e3, dec * 1e3, batch * new / tn, gbps, gbps * 1e9 / bw))
+    info = {"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+            "prompt": prompt, "new_tokens": new, "rounds": rounds, "copy_GBps": round(bw / 1e9, 1),
+            "weight_GB": round(base / 1e9, 3), "notes": {k: v for k, v in first.items() if "differ" in k},
+            "reports": {p: m.kiln_report.to_dict() for p, m in fast.items()}}
+    return rows, info
+
+
+def table(rows: list, info: dict) -> str:
+    base = next((r for r in rows if r.peer == "hf-eager"), rows[0])
+    lines = [f"{info['model']} on {info['device']}, {info['dtype']}, batch {info['batch']}, prompt {info['prompt']}, "
+             f"{info['new_tokens']} new tokens, {info['rounds']} rounds; copy bandwidth {info['copy_GBps']} GB/s, "
+             f"weights {info['weight_GB']} GB",
+             "| peer | first call s | prefill ms | decode ms/token | tok/s | x hf-eager | weight GB/s | % of copy bw |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.peer} | {r.first_s:.1f} | {r.prefill_ms:.1f} | {r.decode_ms:.2f} | {r.tok_s:.1f} | "
+                     f"{r.tok_s / base.tok_s:.2f} | {r.gbps:.1f} | {100 * r.share:.0f}% |")
+    for k, v in info["notes"].items():
+        lines.append(f"note: {k}: {v:.0f} tokens")
+    return "\n".join(lines)
