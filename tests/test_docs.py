@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "docs" / "optimize.md", ROOT / "docs" / "training.md", ROOT / "docs" / "runtime.md",
-        ROOT / "docs" / "quantization.md"]
+        ROOT / "docs" / "quantization.md", ROOT / "docs" / "llm.md"]
 
 
 def blocks():
