@@ -27,11 +27,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peers", default="hf-eager,hf-static,torchkiln")
+    ap.add_argument("--lookup", type=int, default=0, help="also time prompt-lookup speculation (K drafted tokens)")
     ap.add_argument("--results", help="append the table to this markdown file")
     a = ap.parse_args()
     quant = tuple(q for q in a.quant.split(",") if q)
     rows, info = bench.run(a.config, a.device, getattr(torch, a.dtype), quant, a.batch, a.prompt, a.new_tokens,
-                           a.rounds, tuple(a.peers.split(",")))
+                           a.rounds, tuple(a.peers.split(",")), lookup=a.lookup)
     text = bench.table(rows, info)
     print(text)
     for peer, rep in info["reports"].items():

@@ -94,7 +94,7 @@ def _bench_llm(args) -> int:
     peers = tuple(args.peers.split(",")) if args.peers else ("hf-eager", "hf-static", "torchkiln")
     rows, info = llm_bench.run(args.config, args.device or "cpu", parse_dtype(args.dtype), quant, args.batch,
                                args.prompt, args.new_tokens, args.rounds, peers,
-                               progress=not args.json and not args.no_progress)
+                               progress=not args.json and not args.no_progress, lookup=args.lookup)
     if args.json:
         print(json.dumps({"info": info, "rows": [r.__dict__ for r in rows]}, indent=2, default=str))
     else:
@@ -170,6 +170,7 @@ def register(sub, common) -> None:
     g.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--rounds", type=int, default=5)
+    g.add_argument("--lookup", type=int, default=0, help="also time prompt-lookup speculation with K drafts")
     b.set_defaults(func=_cmd_bench)
 
     d = sub.add_parser("demo", parents=[common], help="optimize a built-in model and show the side-by-side")

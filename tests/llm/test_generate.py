@@ -303,3 +303,26 @@ def test_bad_input_is_named():
                                                  d_kv=16))
     with pytest.raises(ValueError, match="encoder-decoder"):
         tk.llm.optimize(t5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_prompt_lookup_speculation_is_exact_under_greedy(compiled):
+    model = build("llama", seed=25)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    ref = model.generate(ids, max_new_tokens=24, **GREEDY)
+    got = fast.generate(ids, max_new_tokens=24, prompt_lookup_num_tokens=4, **GREEDY)
+    assert torch.equal(got, ref)
+    rep = fast.kiln_report
+    assert rep.speculated > 0 and rep.accepted > 0, (rep.speculated, rep.accepted)
+    stop = int(ref[0, 12 + 9])  # a stop token inside a run of accepted drafts still ends there
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, prompt_lookup_num_tokens=4, **kw), model.generate(ids, **kw))
+
+
+def test_lookup_follows_the_earliest_longest_match():
+    from torchkiln.llm.generate import lookup
+
+    assert lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], k=2, ngram=3) == [9, 2]    # "1 2 3" seen at 0
+    assert lookup([4, 2, 3, 9, 8, 2, 3], k=3, ngram=2) == [9, 8, 2]          # "2 3" at 1
+    assert lookup([1, 2, 3], k=2, ngram=2) == []                            # no earlier occurrence

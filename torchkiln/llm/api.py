@@ -51,6 +51,8 @@ class LLMReport:
     setup_s: float = 0.0
     compile_s: list = dataclasses.field(default_factory=list)
     cache: dict | None = None
+    speculated: int = 0                  # prompt-lookup steps run (generate(prompt_lookup_num_tokens=k))
+    accepted: int = 0                    # drafted tokens they kept
     fallbacks: list = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:

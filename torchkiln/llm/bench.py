@@ -85,12 +85,16 @@ class Row:
 
 def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), batch: int = 1,
         prompt: int = 16, new: int = 128, rounds: int = 5, peers=("hf-eager", "hf-static", "torchkiln"),
-        progress: bool = True) -> tuple[list, dict]:
+        progress: bool = True, lookup: int = 0) -> tuple[list, dict]:
+    """``lookup``: also time prompt-lookup speculation (transformers' and torchkiln's) with this
+    many drafted tokens, on a prompt that repeats itself (the case prompt lookup is for)."""
     import torchkiln as tk
 
     device = torch.device(device)
     model = build(name, device, dtype)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    if lookup:  # a repeating prompt: random weights give no natural text to look up
+        ids = ids[:, :max(2, prompt // 4)].repeat(1, 4)[:, :prompt]
     ids = ids.to(device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     gens, wbytes, first = {}, {}, {}
@@ -113,6 +117,12 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
             add(peer, (lambda m: lambda n: m.generate(ids, max_new_tokens=n, **kw))(fast[peer]),
                 weight_bytes(model, q))
             first[peer] = setup
+    if lookup:
+        add("hf-eager+lookup", lambda n: model.generate(ids, max_new_tokens=n, prompt_lookup_num_tokens=lookup, **kw),
+            base)
+        if "torchkiln" in fast:
+            add("torchkiln+lookup", lambda n: fast["torchkiln"].generate(ids, max_new_tokens=n,
+                                                                         prompt_lookup_num_tokens=lookup, **kw), base)
     bw = copy_bandwidth(device)
     reference = None
     for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
@@ -149,7 +159,7 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
     info = {"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
             "prompt": prompt, "new_tokens": new, "rounds": rounds, "copy_GBps": round(bw / 1e9, 1),
             "weight_GB": round(base / 1e9, 3), "notes": {k: v for k, v in first.items() if "differ" in k},
-            "reports": {p: m.kiln_report.to_dict() for p, m in fast.items()}}
+            "reports": {p: m.kiln_report.to_dict() for p, m in fast.items()}, "lookup": lookup}
     return rows, info
 
 
@@ -163,6 +173,11 @@ def table(rows: list, info: dict) -> str:
     for r in rows:
         lines.append(f"| {r.peer} | {r.first_s:.1f} | {r.prefill_ms:.1f} | {r.decode_ms:.2f} | {r.tok_s:.1f} | "
                      f"{r.tok_s / base.tok_s:.2f} | {r.gbps:.1f} | {100 * r.share:.0f}% |")
+    if info.get("lookup"):
+        rep = info["reports"].get("torchkiln", {})
+        lines.append(f"prompt lookup: {info['lookup']} drafted tokens per step, on a prompt that repeats; torchkiln "
+                     f"kept {rep.get('accepted', 0)} of its drafts over {rep.get('speculated', 0)} speculative "
+                     "steps (all calls); per-token decode ms for +lookup rows is per generated token")
     for k, v in info["notes"].items():
         lines.append(f"note: {k}: {v:.0f} tokens")
     return "\n".join(lines)

@@ -16,14 +16,14 @@ DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 5
             "repetition_penalty": 1.0, "min_new_tokens": 0}
 TAKEN = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
          "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "output_scores", "output_logits",
-         "return_dict_in_generate")
+         "return_dict_in_generate", "prompt_lookup_num_tokens", "max_matching_ngram_size")
 # generation settings the fast path does not implement, with the value meaning "off"
 NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "no_repeat_ngram_size": 0,
            "bad_words_ids": None, "force_words_ids": None, "constraints": None, "min_p": None, "typical_p": 1.0,
            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "renormalize_logits": False, "suppress_tokens": None,
            "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
            "watermarking_config": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-           "exponential_decay_length_penalty": None, "stop_strings": None, "prompt_lookup_num_tokens": None,
+           "exponential_decay_length_penalty": None, "stop_strings": None,
            "output_attentions": False, "output_hidden_states": False, "min_length": 0, "max_time": None,
            "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None, "top_h": None,
            "encoder_repetition_penalty": 1.0, "low_memory": None, "min_tokens_to_keep": 1}
@@ -47,6 +47,8 @@ class Request:
     output_scores: bool
     output_logits: bool
     return_dict: bool
+    lookup: int = 0   # prompt lookup: tokens speculated per step (transformers' prompt_lookup_num_tokens)
+    ngram: int = 2    # longest n-gram matched (max_matching_ngram_size)
 
 
 def _is_off(value, neutral) -> bool:
@@ -95,8 +97,11 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
                         repetition_penalty=float(get("repetition_penalty")),
                         min_new_tokens=int(get("min_new_tokens")), eos=eos)
     pad = get("pad_token_id")
+    lookup, ngram = int(get("prompt_lookup_num_tokens", 0) or 0), int(get("max_matching_ngram_size", 2) or 2)
+    if lookup < 0 or ngram < 1:
+        raise ValueError(f"prompt_lookup_num_tokens={lookup} must be >= 0 and max_matching_ngram_size={ngram} >= 1")
     return Request(int(new), sampling, None if pad is None else int(pad), bool(get("output_scores", False)),
-                   bool(get("output_logits", False)), bool(get("return_dict_in_generate", False)))
+                   bool(get("output_logits", False)), bool(get("return_dict_in_generate", False)), lookup, ngram)
 
 
 def left_padding(mask: torch.Tensor) -> torch.Tensor:
@@ -106,6 +111,36 @@ def left_padding(mask: torch.Tensor) -> torch.Tensor:
         raise Fallback("attention_mask= with right padding (the fast path decodes left-padded batches; "
                        "set tokenizer.padding_side='left')")
     return (~m).sum(dim=1)
+
+
+def lookup(seq: list, k: int, ngram: int) -> list:
+    """Prompt lookup (transformers' PromptLookupCandidateGenerator): the k tokens that followed
+    the earliest earlier occurrence of the sequence's last n-gram, longest n-gram first."""
+    n_seq = len(seq)
+    for n in range(min(ngram, n_seq - 1), 0, -1):
+        tail = seq[-n:]
+        for start in range(n_seq - n):
+            if seq[start:start + n] == tail and start + n < n_seq:
+                return seq[start + n:start + n + k]
+    return []
+
+
+def _speculate(runner, seq, nxt, slot, pos, req: Request, room: int):
+    """One prompt-lookup step for a single greedy row: verify up to ``req.lookup`` drafted tokens
+    after ``nxt`` in one forward. Returns (accepted tokens, logits after the last one), or None
+    when nothing was drafted. Exact under greedy: a drafted token is kept only if it is the
+    model's own argmax at its position, and the next logits come from that same forward."""
+    draft = lookup(seq[0].tolist(), min(req.lookup, room), req.ngram)
+    if not draft:
+        return None
+    padded = draft + [draft[-1]] * (req.lookup - len(draft))  # a fixed width: one compiled shape
+    tokens = torch.tensor([[int(nxt[0])] + padded], device=seq.device)
+    every = runner.verify(tokens, slot, pos)[0]
+    preds = every.argmax(dim=-1).tolist()
+    kept = 0
+    while kept < len(draft) and preds[kept] == draft[kept]:
+        kept += 1
+    return draft[:kept], every[kept:kept + 1]
 
 
 def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, streamer=None, generator=None):
@@ -124,7 +159,9 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
                              "pad_token_id=tokenizer.pad_token_id")
     if pad is None and s.eos:
         pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
-    runner.reserve(B, L + req.max_new_tokens)
+    speculate = (req.lookup > 0 and B == 1 and not s.do_sample and s.repetition_penalty == 1.0
+                 and not req.output_logits and not req.output_scores)
+    runner.reserve(B, L + req.max_new_tokens + (req.lookup if speculate else 0))
     dev = runner.device
     ids = ids.to(dev)
     mask = mask.to(dev)
@@ -138,7 +175,8 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
     scores_out, logits_out = [], []
     slot = torch.tensor([L], device=dev)
     pos = positions[:, -1:] + 1
-    for i in range(req.max_new_tokens):
+    i = 0
+    while i < req.max_new_tokens:
         if req.output_logits:
             logits_out.append(logits.clone())
         scores = process(logits, seq, i, s)
@@ -150,14 +188,36 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
         seq = torch.cat([seq, nxt[:, None]], dim=1)
         if streamer is not None:
             streamer.put(nxt.cpu())
+        i += 1
         if s.eos:
             done = done | torch.isin(nxt, torch.tensor(s.eos, device=dev))
             if bool(done.all()):
                 break
-        if i + 1 < req.max_new_tokens:
+        if i >= req.max_new_tokens:
+            break
+        room = req.max_new_tokens - i
+        step = _speculate(runner, seq, nxt, slot, pos, req, room) if speculate and i >= s.min_new_tokens else None
+        if step is None:
             logits = runner.decode(nxt[:, None], slot, pos)
             slot += 1
             pos += 1
+            continue
+        kept, logits = step
+        runner.report.speculated += 1
+        runner.report.accepted += len(kept)
+        slot += 1 + len(kept)
+        pos += 1 + len(kept)
+        if kept:
+            extra = torch.tensor([kept], device=dev)
+            if s.eos and any(t in s.eos for t in kept):  # stop at the first stop token, as token-by-token would
+                extra = extra[:, :next(j for j, t in enumerate(kept) if t in s.eos) + 1]
+                done[:] = True
+            seq = torch.cat([seq, extra], dim=1)
+            i += extra.shape[1]
+            if streamer is not None:
+                streamer.put(extra[0].cpu())
+            if bool(done.all()):
+                break
     if streamer is not None:
         streamer.end()
     return seq, scores_out, logits_out

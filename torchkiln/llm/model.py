@@ -154,9 +154,11 @@ class FastDecoder(nn.Module):
             self.sin = (emb.sin() * self._rope_scale).to(dtype)
         self.batch, self.seq = batch, seq
 
-    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                every: bool = False) -> torch.Tensor:
         """Write ``tokens`` (B, T) into cache ``slots`` (T,) at ``positions`` (B, T); return the
-        last position's logits (B, vocab) in float32, as transformers' generate scores them."""
+        last position's logits (B, vocab) in float32, as transformers' generate scores them
+        (``every``: all positions' logits, (B, T, vocab), for checking speculated tokens)."""
         s = self.spec
         x = self.embed(tokens)
         cos = sin = None
@@ -173,4 +175,6 @@ class FastDecoder(nn.Module):
         mask = (self.key_ok[:, None, None, :] & allowed[None, None]) | (keys == slots[:, None])[None, None]
         for layer in self.layers:
             x = layer(x, cos, sin, slots, mask)
+        if every:
+            return self.head(self.norm(x)).float()
         return self.head(self.norm(x[:, -1:]))[:, 0].float()

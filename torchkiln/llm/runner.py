@@ -9,6 +9,7 @@ hundred small kernels whose launch cost, not the weight read, is what an eager s
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -34,6 +35,7 @@ class Runner:
         self.max_seq_len, self.report = max_seq_len, report
         self._step = None
         self._compiled_for = None
+        self._verify = self._verify_for = None
         self.options = dict(CUDA_OPTIONS) if cudagraphs else {}
 
     def reserve(self, batch: int, need: int) -> None:
@@ -87,7 +89,20 @@ class Runner:
             return out
         return self._step(token, slot, pos)
 
-    def _build(self):
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of ``tokens`` (1, K+1): the last chosen token and K
+        speculated ones, written at slots slot..slot+K. A fixed K keeps one compiled shape."""
+        t = tokens.shape[1]
+        offsets = torch.arange(t, device=self.device)
+        key = ("verify", t, self.decoder.batch, self.decoder.seq)
+        if self._verify_for != key:
+            self._verify = self._build(every=True)
+            self._verify_for = key
+        return self._verify(tokens, slot + offsets, pos + offsets)
+
+    def _build(self, every: bool = False):
+        step = functools.partial(self.decoder, every=True) if every else self.decoder
         if not self.compile:
-            return self.decoder
-        return torch.compile(self.decoder, options=self.options or None, fullgraph=True, dynamic=False)
+            return step
+        return torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
