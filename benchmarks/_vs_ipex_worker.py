@@ -1,0 +1,109 @@
+"""One configuration, one process: build a zoo model, prepare it the way a peer prescribes, time
+it, print one JSON line. Runs in the IPEX venv (--peer ipex) or torchkiln's own environment
+(--peer torchkiln / compile). Driven by benchmarks/vs_ipex.py."""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from torchkiln import zoo  # noqa: E402  (zoo needs only torch; it imports in the IPEX venv too)
+
+
+def args_of(sample):
+    return ((), sample) if isinstance(sample, dict) else ((sample,), {})
+
+
+def calib(sample, n=4):
+    return [sample for _ in range(n)]
+
+
+def ipex_model(model, sample, dtype):
+    """As IPEX's documentation prescribes: ipex.optimize, then torch.jit.trace + freeze
+    (under autocast for bf16); int8 through ipex.quantization prepare/convert (static)."""
+    import intel_extension_for_pytorch as ipex
+
+    args, kwargs = args_of(sample)
+    trace_kw = dict(example_kwarg_inputs=kwargs, strict=False) if kwargs else {}
+    with torch.no_grad():
+        if dtype == "int8":
+            from intel_extension_for_pytorch.quantization import convert, prepare
+
+            qconfig = ipex.quantization.default_static_qconfig_mapping
+            prepared = prepare(model, qconfig, example_inputs=args or None, example_kwarg_inputs=kwargs or None,
+                               inplace=False)
+            for _ in range(4):
+                prepared(*args, **kwargs)
+            model = convert(prepared)
+            traced = torch.jit.trace(model, args if args else None, check_trace=False, **trace_kw)
+            return torch.jit.freeze(traced)
+        if dtype == "bfloat16":
+            model = ipex.optimize(model, dtype=torch.bfloat16)
+            with torch.cpu.amp.autocast():
+                traced = torch.jit.trace(model, args if args else None, check_trace=False, **trace_kw)
+            return torch.jit.freeze(traced)
+        model = ipex.optimize(model)
+        traced = torch.jit.trace(model, args if args else None, check_trace=False, **trace_kw)
+        return torch.jit.freeze(traced)
+
+
+def torchkiln_model(model, sample, dtype):
+    import torchkiln as tk
+
+    if dtype == "int8":
+        return tk.optimize(model, quantize="int8-static", calib_data=calib(sample), sample_input=sample)
+    return tk.optimize(model, dtype=getattr(torch, dtype), sample_input=sample)
+
+
+def compile_model(model, sample, dtype):
+    """The stock recipe: torch.compile with freezing (under autocast for bf16). Stock int8 is
+    pt2e's X86InductorQuantizer + compile, which is torchkiln's own int8 path: not repeated."""
+    if dtype == "int8":
+        raise SystemExit("stock int8 (pt2e X86InductorQuantizer) is torchkiln's int8 path; see the torchkiln column")
+    fn = torch.compile(model, options={"freezing": True})
+    if dtype == "bfloat16":
+        def run(*a, **k):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*a, **k)
+        return run
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peer", required=True, choices=["ipex", "torchkiln", "compile"])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    model, sample = zoo.load(a.model, batch=a.batch)
+    t0 = time.perf_counter()
+    build = {"ipex": ipex_model, "torchkiln": torchkiln_model, "compile": compile_model}[a.peer]
+    fn = build(model.eval(), sample, a.dtype)
+    args, kwargs = args_of(sample)
+    times = []
+    with torch.no_grad():
+        for i in range(a.warmup + a.iters):
+            t = time.perf_counter()
+            fn(*args, **kwargs)
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t)
+    served = ""
+    if a.peer == "torchkiln":
+        rep = getattr(fn, "kiln_report", None)
+        served = str(getattr(rep, "active", ""))
+    print(json.dumps({"peer": a.peer, "model": a.model, "dtype": a.dtype, "batch": a.batch,
+                      "median_ms": statistics.median(times) * 1e3, "setup_s": round(time.perf_counter() - t0, 1),
+                      "torch": torch.__version__, "served": served}))
+
+
+if __name__ == "__main__":
+    main()
