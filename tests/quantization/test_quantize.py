@@ -222,3 +222,19 @@ def test_config_round_trips_as_json():
     c = QuantConfig("int4-weight-only", group_size=64, keep=("x",))
     assert QuantConfig.from_dict(json.loads(c.to_json())) == c
     assert set(tk.quantization.fast_schemes(torch.device("cpu"))) == set(SCHEMES)
+
+
+def test_static_int8_on_a_bottleneck_block_works_or_fails_clearly():
+    """torchao 0.18's X86InductorQuantizer rejects the zoo ResNet's bottleneck (a conv+bn+add+relu
+    with a shared ReLU module); tk.quantize must then say which scheme failed and what works."""
+    from torchkiln.zoo import _Bottleneck
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _Bottleneck(16, 4)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    try:
+        q = tk.quantize(m, "int8-static", calib_data=[x, x])
+    except ValueError as e:
+        assert "int8-static" in str(e) and "int8-weight-only" in str(e)
+    else:
+        assert q.kiln_quant.report.min_sqnr > 10

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import inputs
+from ..modelutil import first_line
 from .config import QuantConfig
 from .schemes import _quiet_torchao
 
@@ -64,7 +65,11 @@ def quantizer(config: QuantConfig):
 def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args) -> tuple[nn.Module, bool]:
     _, prepare_pt2e, _ = _pt2e()
     graph, dynamic = export(model, sample)
-    return prepare_pt2e(graph, quantizer(config)), dynamic
+    try:
+        return prepare_pt2e(graph, quantizer(config)), dynamic
+    except ValueError as e:  # torchao's annotator rejects some graphs (seen: the zoo ResNet50)
+        raise ValueError(f"scheme={config.scheme!r}: torchao's X86InductorQuantizer could not annotate this model "
+                         f"({first_line(e)}); scheme='int8-weight-only' does not need it") from e
 
 
 def convert(prepared: nn.Module) -> nn.Module:
