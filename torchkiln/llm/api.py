@@ -178,7 +178,7 @@ def _stock(work, report: LLMReport, reason: str, t0: float):
     return work
 
 
-def _probe(work, spec_vocab: int, device) -> torch.Tensor:
+def _probe(spec_vocab: int, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     return torch.randint(0, spec_vocab, (1, 8), generator=g).to(device)
 
@@ -199,7 +199,7 @@ def _fast_logits(runner: Runner, ids: torch.Tensor, prompt: int) -> list:
 def _verify(work, runner: Runner, dtype, report: LLMReport) -> list:
     """The fast decoder against the model's own forward on one prompt: prefill and two decode
     steps. A structure read wrongly shows here, before any user call; it is then Unsupported."""
-    ids = _probe(work, runner.decoder.spec.vocab, runner.device)
+    ids = _probe(runner.decoder.spec.vocab, runner.device)
     prompt = ids.shape[1] - 2
     try:
         ref = work(input_ids=ids, use_cache=False).logits[:, prompt - 1:].float()
@@ -211,11 +211,11 @@ def _verify(work, runner: Runner, dtype, report: LLMReport) -> list:
     if not err <= VERIFY_TOL.get(dtype, 1e-3):
         raise Unsupported(f"the fast decoder's logits differ from the model's forward by {err:.2e} relative "
                           f"(allowed {VERIFY_TOL.get(dtype, 1e-3):.0e}); its structure was not read correctly")
-    return [r for r in ref.unbind(1)]
+    return list(ref.unbind(1))
 
 
 def _quant_cosine(work, runner: Runner, reference: list) -> float:
-    ids = _probe(work, runner.decoder.spec.vocab, runner.device)
+    ids = _probe(runner.decoder.spec.vocab, runner.device)
     got = _fast_logits(runner, ids, ids.shape[1] - 2)
     return min(float(torch.nn.functional.cosine_similarity(g.flatten(), r.flatten(), dim=0))
                for g, r in zip(got, reference, strict=False))

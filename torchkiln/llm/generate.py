@@ -87,9 +87,7 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
         raise ValueError(f"the prompt has {prompt_len} tokens, not fewer than max_length={get('max_length')}; "
                          "pass max_new_tokens= (the number of tokens to add)")
     eos = get("eos_token_id")
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    if isinstance(eos, tuple) and any(isinstance(e, torch.Tensor) for e in eos):
-        eos = tuple(int(e) for e in eos)
+    eos = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     do_sample = bool(get("do_sample"))
     sampling = Sampling(do_sample=do_sample, temperature=float(get("temperature")),
                         top_k=int(get("top_k")) if do_sample and get("top_k") else None,
@@ -152,11 +150,10 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
     pads = left_padding(mask)
     s = req.sampling
     pad = req.pad
-    if bool(pads.any()) and pad is None:
-        if not s.eos:
-            raise ValueError("this batch is padded but neither pad_token_id nor eos_token_id is set; set "
-                             "tokenizer.pad_token (e.g. tokenizer.pad_token = tokenizer.eos_token) and pass "
-                             "pad_token_id=tokenizer.pad_token_id")
+    if pad is None and not s.eos and bool(pads.any()):
+        raise ValueError("this batch is padded but neither pad_token_id nor eos_token_id is set; set "
+                         "tokenizer.pad_token (e.g. tokenizer.pad_token = tokenizer.eos_token) and pass "
+                         "pad_token_id=tokenizer.pad_token_id")
     if pad is None and s.eos:
         pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
     speculate = (req.lookup > 0 and B == 1 and not s.do_sample and s.repetition_penalty == 1.0
@@ -172,6 +169,7 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
     logits = runner.prefill(ids, mask, positions)
     seq = ids
     done = torch.zeros(B, dtype=torch.bool, device=dev)
+    stops = torch.tensor(s.eos, device=dev) if s.eos else None  # made once, not per token
     scores_out, logits_out = [], []
     slot = torch.tensor([L], device=dev)
     pos = positions[:, -1:] + 1
@@ -190,7 +188,7 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
             streamer.put(nxt.cpu())
         i += 1
         if s.eos:
-            done = done | torch.isin(nxt, torch.tensor(s.eos, device=dev))
+            done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
         if i >= req.max_new_tokens:

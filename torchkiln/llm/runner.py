@@ -33,9 +33,7 @@ class Runner:
         self.decoder, self.device = decoder, device
         self.compile, self.cudagraphs = compile, cudagraphs
         self.max_seq_len, self.report = max_seq_len, report
-        self._step = None
-        self._compiled_for = None
-        self._verify = self._verify_for = None
+        self._steps: dict = {}  # (kind, width, batch, cache length) -> the step that runs it
         self.options = dict(CUDA_OPTIONS) if cudagraphs else {}
 
     def reserve(self, batch: int, need: int) -> None:
@@ -68,38 +66,40 @@ class Runner:
 
     @torch.no_grad()
     def decode(self, token: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        key = (self.decoder.batch, self.decoder.seq)
-        if self._step is None or self._compiled_for != key:
-            self._step = self._build()
-            self._compiled_for = key
-            t0 = time.perf_counter()
-            try:
-                out = self._step(token, slot, pos)
-            except Exception as e:  # noqa: BLE001 - never fail where the eager step works
-                if not self.compile or is_oom(e):
-                    raise
-                self.compile = self.cudagraphs = False
-                self.report.fallbacks.append(f"compiled decode step -> eager: {first_line(e)}")
-                warn_once("llm-compile", f"torchkiln.llm: the compiled decode step failed ({first_line(e)}); "
-                          "decoding eagerly")
-                self._step = self.decoder
-                return self._step(token, slot, pos)
-            if self.compile:
-                self.report.compile_s.append(round(time.perf_counter() - t0, 2))
-            return out
-        return self._step(token, slot, pos)
+        return self._call("decode", token, slot, pos)
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Logits at every position of ``tokens`` (1, K+1): the last chosen token and K
         speculated ones, written at slots slot..slot+K. A fixed K keeps one compiled shape."""
-        t = tokens.shape[1]
-        offsets = torch.arange(t, device=self.device)
-        key = ("verify", t, self.decoder.batch, self.decoder.seq)
-        if self._verify_for != key:
-            self._verify = self._build(every=True)
-            self._verify_for = key
-        return self._verify(tokens, slot + offsets, pos + offsets)
+        offsets = torch.arange(tokens.shape[1], device=self.device)
+        return self._call("verify", tokens, slot + offsets, pos + offsets)
+
+    def _call(self, kind: str, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The step for ``kind`` at this input width and cache shape, compiled on first use. A
+        compile failure steps down to eager for good: never fail where the eager step works."""
+        key = (kind, tokens.shape[1], self.decoder.batch, self.decoder.seq)
+        step = self._steps.get(key)
+        if step is not None:
+            return step(tokens, slots, positions)
+        step = self._build(every=kind == "verify")
+        t0 = time.perf_counter()
+        try:
+            out = step(tokens, slots, positions)
+        except Exception as e:  # noqa: BLE001
+            if not self.compile or is_oom(e):
+                raise
+            self.compile = self.cudagraphs = False
+            self.report.fallbacks.append(f"compiled {kind} step -> eager: {first_line(e)}")
+            warn_once("llm-compile", f"torchkiln.llm: the compiled {kind} step failed ({first_line(e)}); "
+                      "decoding eagerly")
+            step = self._build(every=kind == "verify")
+            out = step(tokens, slots, positions)
+        else:
+            if self.compile:
+                self.report.compile_s.append(round(time.perf_counter() - t0, 2))
+        self._steps[key] = step
+        return out
 
     def _build(self, every: bool = False):
         step = functools.partial(self.decoder, every=True) if every else self.decoder
