@@ -66,7 +66,12 @@ def compile_model(model, sample, dtype):
     pt2e's X86InductorQuantizer + compile, which is torchkiln's own int8 path: not repeated."""
     if dtype == "int8":
         raise SystemExit("stock int8 (pt2e X86InductorQuantizer) is torchkiln's int8 path; see the torchkiln column")
-    fn = torch.compile(model, options={"freezing": True})
+    # The global switch, as PyTorch's CPU inference docs set it: on torch 2.13
+    # `torch.compile(options={"freezing": True})` leaves parameters unfrozen (passes/compile.py).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    fn = torch.compile(model)
     if dtype == "bfloat16":
         def run(*a, **k):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -76,12 +81,15 @@ def compile_model(model, sample, dtype):
 
 
 def main():
+    """Build once, warm up, print a ready line, then serve `run K` requests from the driver: K
+    timed calls each, printed as one JSON line. The driver alternates these requests between
+    peers' processes, so every peer is timed in the same stretch of wall-clock time (this shared
+    2-core machine drifts by up to 30% over seconds, far more than the gaps being measured)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--peer", required=True, choices=["ipex", "torchkiln", "compile"])
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8"])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     a = ap.parse_args()
     model, sample = zoo.load(a.model, batch=a.batch)
@@ -89,20 +97,23 @@ def main():
     build = {"ipex": ipex_model, "torchkiln": torchkiln_model, "compile": compile_model}[a.peer]
     fn = build(model.eval(), sample, a.dtype)
     args, kwargs = args_of(sample)
-    times = []
     with torch.no_grad():
-        for i in range(a.warmup + a.iters):
-            t = time.perf_counter()
+        for _ in range(a.warmup):
             fn(*args, **kwargs)
-            if i >= a.warmup:
-                times.append(time.perf_counter() - t)
-    served = ""
-    if a.peer == "torchkiln":
-        rep = getattr(fn, "kiln_report", None)
-        served = str(getattr(rep, "active", ""))
-    print(json.dumps({"peer": a.peer, "model": a.model, "dtype": a.dtype, "batch": a.batch,
-                      "median_ms": statistics.median(times) * 1e3, "setup_s": round(time.perf_counter() - t0, 1),
-                      "torch": torch.__version__, "served": served}))
+    served = str(getattr(getattr(fn, "kiln_report", None), "active", "")) if a.peer == "torchkiln" else ""
+    print(json.dumps({"ready": True, "peer": a.peer, "setup_s": round(time.perf_counter() - t0, 1),
+                      "torch": torch.__version__, "threads": torch.get_num_threads(), "served": served}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] != "run":
+            break
+        times = []
+        with torch.no_grad():
+            for _ in range(int(cmd[1])):
+                t = time.perf_counter()
+                fn(*args, **kwargs)
+                times.append((time.perf_counter() - t) * 1e3)
+        print(json.dumps({"times_ms": times, "median_ms": statistics.median(times)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch import nn
 from . import inputs, stock
 from .modelutil import DTYPES, dtype_name, has_conv, model_device, model_dtype
 from .passes.compile import compile_model
+from .passes.onednn_graph import OneDNNGraph
 from .recipe import Recipe
 from .report import Fallback
 from .runner import Runner, build_fast
@@ -122,6 +123,12 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
                                  lambda opts=opts, graphs=graphs: build.call(
                                      compile_model(build.runner(), opts, fullgraph=True, private=True), graphs),
                                  tier, graphs, build.applied, breaks))
+    if rec.onednn_graph and rec.device == "cpu" and not build.inplace:
+        # oneDNN Graph does its own GEMM fusion, and our prepacked linear does not trace
+        # (its op takes an optional-scalar list TorchScript rejects): a build without it.
+        gbuild = KilnBuild(build.original, rec.without("onednn_linear"), build.sample, False, build.fallbacks)
+        out.append(Candidate(f"torchkiln oneDNN graph ({tag})", "torchkiln", tag,
+                             lambda: gbuild.call(OneDNNGraph(gbuild.runner()), False), tier, False, gbuild.applied))
     out.append(Candidate(f"torchkiln eager passes ({tag})", "torchkiln", tag,
                          lambda: build.call(build.runner(), False), tier, False, build.applied))
     return out

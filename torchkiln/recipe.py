@@ -34,6 +34,8 @@ class Recipe:
     cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
+    # CPU: also time a TorchScript trace run by oneDNN Graph's fuser (passes/onednn_graph.py)
+    onednn_graph: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
 
     def __post_init__(self):
@@ -105,5 +107,7 @@ class Recipe:
             lines.append(f"  compile      inductor {opts or '(defaults)'}")
         else:
             lines.append("  compile      off")
+        if self.onednn_graph:
+            lines.append("  onednn graph timed as a candidate (TorchScript trace per input shape)")
         lines += [f"  why: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -181,3 +181,20 @@ def test_gemm_choice_is_measured_per_thread_count(monkeypatch):
         torch.set_num_threads(threads)
         cpu_plan._gemm_choice.cache_clear()
     assert calls == [1, 2]  # the third call (1 thread again) came from the cache
+
+
+def test_onednn_graph_candidate_for_conv_nets_only(monkeypatch):
+    from torchkiln.passes import onednn_graph
+    from torchkiln.recipe import Recipe
+
+    monkeypatch.setattr(onednn_graph, "available", lambda: True)
+    conv = plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {}, None)
+    assert conv.onednn_graph and any("oneDNN Graph" in n for n in conv.notes)
+    assert Recipe.from_dict(conv.to_dict()).onednn_graph  # survives the JSON round trip
+    assert not plan(mlp(), X86_NO_BF16, "cpu", FP32, "O1", {}, None).onednn_graph
+    assert not plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {"onednn_graph": False}, None).onednn_graph
+    assert not plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {"graph_mode": False}, None).onednn_graph
+    monkeypatch.setattr(onednn_graph, "available", lambda: False)
+    assert not plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {}, None).onednn_graph
+    off = plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {"onednn_graph": True}, None)
+    assert not off.onednn_graph and any("onednn_graph=True ignored" in n for n in off.notes)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..hardware import Hardware
-from ..passes import registry
+from ..passes import onednn_graph, registry
 from ..recipe import Recipe
 from . import cpu, cuda, generic
 
@@ -20,7 +20,8 @@ KNOB_PASSES = {
     "weights_prepack": "onednn_linear",
 }
 KNOBS = (*KNOB_PASSES, "graph_mode", "auto_kernel_selection", "optimize_lstm",
-         "split_master_weight_for_bf16", "fuse_update_step", "compile_options", "autocast")
+         "split_master_weight_for_bf16", "fuse_update_step", "compile_options", "autocast",
+         "onednn_graph")
 # Knobs with no vendor-neutral meaning: accepted, warned about once, ignored.
 INTEL_ONLY = ("optimize_lstm", "split_master_weight_for_bf16", "fuse_update_step")
 
@@ -76,6 +77,14 @@ def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
         changes["compile"] = bool(knobs["graph_mode"])
         if not knobs["graph_mode"]:
             changes["cuda_graphs"] = False  # CUDA graphs come from inductor here
+            changes["onednn_graph"] = False
+    if knobs.get("onednn_graph") is not None:
+        on = bool(knobs["onednn_graph"]) and recipe.device == "cpu" and onednn_graph.available()
+        changes["onednn_graph"] = on
+        if on or not knobs["onednn_graph"]:
+            notes.append(f"onednn_graph={bool(knobs['onednn_graph'])}: oneDNN Graph candidate {'timed' if on else 'off'}")
+        else:
+            notes.append("onednn_graph=True ignored: CPU only, and this torch build must have the oneDNN Graph fuser")
     opts = dict(recipe.compile_options)
     if knobs.get("compile_options"):
         opts.update(knobs["compile_options"])

@@ -1,0 +1,114 @@
+"""Serving a CPU model through TorchScript with PyTorch's oneDNN Graph fuser (LLGA).
+
+A serving backend beside compile.py, not a module rewrite: optimize() times it as one
+more candidate and serves it only where it is fastest and passes the guard.
+
+Why it exists: on CPU conv nets, inductor with freezing calls every oneDNN convolution
+through its own op (ideep rebuilds descriptors and looks up the primitive per call, with
+Python between ops); oneDNN Graph compiles fused partitions (conv + bias + add + relu)
+once per shape and runs them from C++. Measured on a 2-core Zen 3, resnet50 fp32,
+interleaved in one process: bs1 inductor 71.0 ms, this 61.9 ms (1.16x); bs8 1.04x; IPEX
+2.8 does the same kind of fusion (RESULTS.md, "Against IPEX 2.8"). This is the part of
+IPEX's recipe that stock PyTorch still ships, so it is used rather than hand-written.
+
+Three rules keep it safe:
+- One trace per input signature (shapes, dtypes, the non-tensor arguments), up to
+  MAX_SIGNATURES; a trace never runs at a shape it was not traced at. Beyond that the
+  eager model runs.
+- A trace that turned a tensor into a Python value (TracerWarning) has baked a
+  data-dependent branch (transformers' mask checks do this): refused, with the reason.
+- The fuser switch is process-wide in TorchScript, so it is on only while our own trace
+  is optimised (its first calls, under a lock) and restored after; the optimised plan
+  stays cached for that signature.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+MAX_SIGNATURES = 4
+_LOCK = threading.Lock()
+_UNSAFE = "Converting a tensor to a Python"
+
+
+class Unsupported(RuntimeError):
+    """This model or input cannot be served through a trace; the message says why."""
+
+
+def available() -> bool:
+    c = torch._C
+    return (hasattr(c, "_jit_set_llga_enabled") and hasattr(c, "_jit_llga_enabled")
+            and torch.backends.mkldnn.is_available())
+
+
+def signature(args, kwargs) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec), tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
+                             else ("value", repr(t)) for t in leaves))
+
+
+def _plain(out) -> bool:
+    # jit.trace returns tensors and tuples of tensors unchanged; other containers
+    # (HF ModelOutput, dicts, lists) would come back as a different type.
+    if isinstance(out, torch.Tensor):
+        return True
+    return type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out)
+
+
+class OneDNNGraph:
+    """Calls ``model`` through one frozen, oneDNN-Graph-fused TorchScript trace per input signature."""
+
+    def __init__(self, model: nn.Module, max_signatures: int = MAX_SIGNATURES):
+        if not available():
+            raise Unsupported("this torch build has no oneDNN Graph fuser")
+        self.model, self.max_signatures = model, max_signatures
+        self.traces: dict[tuple, torch.jit.ScriptModule] = {}
+
+    def __call__(self, *args, **kwargs):
+        key = signature(args, kwargs)
+        fn = self.traces.get(key)
+        if fn is None:
+            with _LOCK:
+                fn = self.traces.get(key)
+                if fn is None:
+                    if len(self.traces) >= self.max_signatures:
+                        return self.model(*args, **kwargs)
+                    fn = self.traces[key] = _trace(self.model, args, kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+
+def _trace(model: nn.Module, args, kwargs) -> torch.jit.ScriptModule:
+    if args and kwargs:
+        raise Unsupported("positional and keyword inputs together cannot be traced as one signature")
+    with torch.no_grad():
+        if not _plain(model(*args, **kwargs)):
+            raise Unsupported("outputs are not a tensor or a tuple of tensors (a trace would change their type)")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if kwargs:
+                traced = torch.jit.trace(model, example_kwarg_inputs=kwargs, check_trace=False)
+            else:
+                traced = torch.jit.trace(model, tuple(args), check_trace=False)
+        bad = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning) and _UNSAFE in str(w.message)]
+        if bad:
+            w = bad[0]
+            raise Unsupported(f"the trace turned a tensor into a Python value at {w.filename}:{w.lineno}, "
+                              "so it would bake in one branch of data-dependent code")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            frozen = torch.jit.freeze(traced.eval())
+        runs = torch._C._jit_get_num_profiled_runs() + 2  # profile, then optimise with the fuser on
+        prev = torch._C._jit_llga_enabled()
+        torch._C._jit_set_llga_enabled(True)
+        try:
+            for _ in range(runs):
+                frozen(*args, **kwargs)
+        finally:
+            torch._C._jit_set_llga_enabled(prev)
+    return frozen
