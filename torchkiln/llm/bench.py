@@ -121,7 +121,7 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
             add("torchkiln+lookup", lambda n: fast["torchkiln"].generate(ids, max_new_tokens=n,
                                                                          prompt_lookup_num_tokens=lookup, **kw), base)
     bw = copy_bandwidth(device)
-    reference = None
+    reference, ref_peer = None, ""
     for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
         if progress:
             print(f"  first call: {peer} ...", flush=True)
@@ -132,10 +132,10 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
         first[peer] = first.get(peer, 0.0) + time.perf_counter() - t
         fn(1)
         if reference is None:
-            reference = out
+            reference, ref_peer = out, peer
         elif not peer.endswith(("int8", "int4")) and not torch.equal(out, reference):
             # bf16 kernels may flip a near-tie on random weights; count, do not hide
-            first[peer + " (tokens differ from hf-eager)"] = float((out != reference).sum())
+            first[f"{peer} (tokens differ from {ref_peer})"] = float((out != reference).sum())
     times = {p: {"n": [], "1": []} for p in gens}
     for r in range(rounds):
         if progress:
@@ -165,7 +165,7 @@ def table(rows: list, info: dict) -> str:
     lines = [f"{info['model']} on {info['device']}, {info['dtype']}, batch {info['batch']}, prompt {info['prompt']}, "
              f"{info['new_tokens']} new tokens, {info['rounds']} rounds; copy bandwidth {info['copy_GBps']} GB/s, "
              f"weights {info['weight_GB']} GB",
-             "| peer | first call s | prefill ms | decode ms/token | tok/s | x hf-eager | weight GB/s | % of copy bw |",
+             f"| peer | first call s | prefill ms | decode ms/token | tok/s | x {base.peer} | weight GB/s | % of copy bw |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.peer} | {r.first_s:.1f} | {r.prefill_ms:.1f} | {r.decode_ms:.2f} | {r.tok_s:.1f} | "
