@@ -75,10 +75,10 @@ class OneDNNGraph:
         if fn is None:
             with _LOCK:
                 fn = self.traces.get(key)
-                if fn is None:
-                    if len(self.traces) >= self.max_signatures:
-                        return self.model(*args, **kwargs)
+                if fn is None and len(self.traces) < self.max_signatures:
                     fn = self.traces[key] = _trace(self.model, args, kwargs)
+        if fn is None:  # past the cap: eager, outside the lock so calls stay concurrent
+            return self.model(*args, **kwargs)
         with torch.no_grad():
             return fn(*args, **kwargs)
 
