@@ -224,17 +224,79 @@ def test_config_round_trips_as_json():
     assert set(tk.quantization.fast_schemes(torch.device("cpu"))) == set(SCHEMES)
 
 
-def test_static_int8_on_a_bottleneck_block_works_or_fails_clearly():
-    """torchao 0.18's X86InductorQuantizer rejects the zoo ResNet's bottleneck (a conv+bn+add+relu
-    with a shared ReLU module); tk.quantize must then say which scheme failed and what works."""
+def test_static_int8_on_a_bottleneck_with_a_shared_relu():
+    """The zoo ResNet's bottleneck calls one ReLU module three times, as torchvision's does.
+    torchao 0.18's X86InductorQuantizer rejected the whole model for it ("Input partition has
+    more than one output node"); pt2e_flow.split_repeated_calls names the calls apart."""
     from torchkiln.zoo import _Bottleneck
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _Bottleneck(16, 4)).eval()
-    x = torch.randn(1, 3, 16, 16)
-    try:
-        q = tk.quantize(m, "int8-static", calib_data=[x, x])
-    except ValueError as e:
-        assert "int8-static" in str(e) and "int8-weight-only" in str(e)
-    else:
-        assert q.kiln_quant.report.min_sqnr > 10
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randn(2, 3, 16, 16, generator=g) for _ in range(3)]
+    q = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False)
+    rep = q.kiln_quant.report
+    assert rep.quantized == 4 and rep.passed  # all four convs, the shared ReLU's calls fused in
+    x = torch.randn(2, 3, 16, 16, generator=g)
+    assert sqnr_db(m(x), q(x)) > 25
+
+
+def test_keeping_a_shared_module_keeps_every_call():
+    from torchkiln.quantization import pt2e_flow
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.act = nn.Linear(32, 32), nn.Linear(32, 32), nn.ReLU()
+
+        def forward(self, x):
+            return self.act(self.b(self.act(self.a(x))))
+
+    m = Shared().eval()
+    x = torch.randn(4, 32)
+    graph, _ = pt2e_flow.export(m, ((x,), {}))
+    calls = pt2e_flow.split_repeated_calls(graph)
+    assert calls == {"act": ["act@1"]}
+    names = [list(n.meta["nn_module_stack"].values())[-1][0] for n in graph.graph.nodes
+             if n.op == "call_function" and n.meta.get("nn_module_stack")]
+    assert names.count("act") == 1 and names.count("act@1") == 1
+    quantizer = pt2e_flow.quantizer(QuantConfig("int8-static", keep=("act", "b")), calls)
+    assert set(quantizer.module_name_qconfig) == {"act", "act@1", "b"}
+    q = quiet(tk.quantize, m, "int8-static", calib_data=[x, x], keep=("act",), progress=False)
+    assert q.kiln_quant.report.kept == ["act"]
+    assert sqnr_db(m(x), q(x)) > 25
+
+
+def test_an_annotator_failure_names_the_scheme_and_what_works(monkeypatch):
+    from torchkiln.quantization import pt2e_flow
+
+    real = pt2e_flow.quantizer
+
+    def failing(config, calls=None):
+        q = real(config, calls)
+
+        def annotate(model):
+            raise ValueError("Input partition has more than one output node")
+        q.annotate = annotate
+        return q
+
+    monkeypatch.setattr(pt2e_flow, "quantizer", failing)
+    with pytest.raises(ValueError, match="int8-static.*more than one output node.*int8-weight-only"):
+        quiet(tk.quantize, mlp(), "int8-static", calib_data=data(), progress=False)
+
+
+@pytest.mark.slow
+def test_zoo_resnet50_int8_static_quantizes_every_layer():
+    """The whole model torchao once refused: 53 convs + fc, held to the report's 15 dB bar and
+    checked here on a batch calibration did not see (about 15 s on 2 cores)."""
+    from torchkiln import zoo
+
+    m, _ = zoo.load("resnet50", batch=2)
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(2, 3, 224, 224, generator=g) for _ in range(4)]
+    q = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False)
+    assert q.kiln_quant.report.quantized == 54 and q.kiln_quant.report.passed
+    x = torch.randn(2, 3, 224, 224, generator=g)
+    with torch.no_grad():
+        ref, out = m(x), q(x)
+    assert sqnr_db(ref, out) > 20 and torch.equal(ref.argmax(1), out.argmax(1))

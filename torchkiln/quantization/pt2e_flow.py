@@ -53,21 +53,48 @@ def _arg_names(model: nn.Module, args: tuple) -> dict:
             for p, a in zip(params, args, strict=False)}
 
 
-def quantizer(config: QuantConfig):
+def split_repeated_calls(graph: torch.fx.GraphModule) -> dict[str, list[str]]:
+    """Name each call of a module used more than once apart: {module name: [the call names]}.
+
+    Hand-written because torch's ``get_source_partitions`` lacks it. Without ``source_fn_stack``
+    (non-strict export does not write it) it groups nodes by their innermost module name, so a
+    module called three times (a ResNet bottleneck's one ``self.relu``, as in torchvision) becomes
+    one partition with three outputs, and torchao's X86InductorQuantizer raises "Input partition
+    has more than one output node" on the whole model. Export already tells the calls apart in
+    the ``nn_module_stack`` key (``L__self__relu@1``); we carry that suffix into the name.
+    """
+    calls: dict[str, list[str]] = {}
+    for node in graph.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if node.op != "call_function" or not stack:
+            continue
+        key, (fqn, cls) = list(stack.items())[-1]
+        if "@" in key and "@" not in fqn:
+            name = fqn + key[key.rindex("@"):]
+            node.meta["nn_module_stack"] = {**stack, key: (name, cls)}  # the dicts can be shared
+            calls.setdefault(fqn, [])
+            if name not in calls[fqn]:
+                calls[fqn].append(name)
+    return calls
+
+
+def quantizer(config: QuantConfig, calls: dict[str, list[str]] | None = None):
     xiq, _, _ = _pt2e()
     q = xiq.X86InductorQuantizer()
     q.set_global(xiq.get_default_x86_inductor_quantization_config(is_dynamic=config.scheme == "int8-dynamic"))
-    for name in config.keep:
-        q.set_module_name_qconfig(name, None)
+    for name in config.keep:  # a kept module stays float at each of its calls
+        for call in (name, *(calls or {}).get(name, ())):
+            q.set_module_name_qconfig(call, None)
     return q
 
 
 def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args) -> tuple[nn.Module, bool]:
     _, prepare_pt2e, _ = _pt2e()
     graph, dynamic = export(model, sample)
+    calls = split_repeated_calls(graph)
     try:
-        return prepare_pt2e(graph, quantizer(config)), dynamic
-    except ValueError as e:  # torchao's annotator rejects some graphs (seen: the zoo ResNet50)
+        return prepare_pt2e(graph, quantizer(config, calls)), dynamic
+    except ValueError as e:  # torchao's annotator rejects some graphs
         raise ValueError(f"scheme={config.scheme!r}: torchao's X86InductorQuantizer could not annotate this model "
                          f"({first_line(e)}); scheme='int8-weight-only' does not need it") from e
 
