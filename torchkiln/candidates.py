@@ -105,7 +105,10 @@ def drop_all_ones_mask(kwargs: dict) -> dict:
 
 def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
     rec = build.recipe
-    tag = rec.dtype
+    # a quantized model's recipe keeps dtype float32 (what its unquantized parts run in); its
+    # candidates are named by the scheme, so a report never says "float32" for an int8 graph
+    scheme = next((p.scheme for p in rec.passes if p.name == "quantize"), None)
+    tag = scheme or rec.dtype
     out = []
     if rec.compile:
         base = dict(rec.compile_options)

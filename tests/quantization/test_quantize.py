@@ -212,6 +212,8 @@ def test_optimize_with_quantize_serves_a_verified_compiled_model():
     fast = quiet(tk.optimize, m, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.5)
     rep = fast.kiln_report
     assert rep.recipe["passes"][0]["pass"] == "quantize" and rep.quantization["passed"]
+    ours = [c.name for c in rep.candidates if c.name.startswith("torchkiln")]
+    assert ours and all("(int8-static)" in n for n in ours), ours  # named by scheme, not "float32"
     x = torch.randn(8, 64)
     assert sqnr_db(m(x), fast(x)) > 25
     with pytest.raises(ValueError, match="only used with quantize"):

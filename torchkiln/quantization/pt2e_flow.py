@@ -102,7 +102,12 @@ def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args) -> tuple
 def convert(prepared: nn.Module) -> nn.Module:
     _, _, convert_pt2e = _pt2e()
     out = convert_pt2e(prepared)
-    move = getattr(torch.ao.quantization, "move_exported_model_to_eval", None)
+    # torchao carries it now; torch.ao's (older torch) went away. Exported graphs keep the
+    # train/eval behaviour of export time; this switches dropout and batch norm to eval.
+    try:
+        from torchao.quantization.pt2e import move_exported_model_to_eval as move
+    except ImportError:
+        move = getattr(torch.ao.quantization, "move_exported_model_to_eval", None)
     return move(out) if move is not None else out
 
 
