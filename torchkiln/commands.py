@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import date
@@ -77,7 +78,50 @@ def _bench(args, model_name: str) -> int:
 def _cmd_bench(args) -> int:
     if args.model == "llm":
         return _bench_llm(args)
+    if args.peer == "ipex":
+        return _bench_ipex(args)
     return _bench(args, args.model)
+
+
+def _bench_ipex(args) -> int:
+    """`torchkiln bench MODEL --peer ipex`: torchkiln, IPEX 2.8 (its own venv) and stock
+    torch.compile, each in its own served process, timed in interleaved rounds."""
+    from . import ipex_peer, zoo
+
+    if args.model not in zoo.MODELS:
+        raise ValueError(f"--peer ipex runs zoo models (each peer builds its own copy in its own process); "
+                         f"{args.model!r} is not one of {sorted(zoo.MODELS)}")
+    if args.shape or args.device not in (None, "cpu") or args.level != "O1" or args.plot or args.peak:
+        raise ValueError("--peer ipex compares CPU inference at the default level; drop --shape, --device, "
+                         "--level, --plot and --peak")
+    peers = tuple(args.peers.split(",")) if args.peers else ipex_peer.PEERS
+    with _ticks(not args.json and not args.no_progress, "IPEX peer: builds, rounds", len(peers) + args.rounds) \
+            as tick:
+        cell = ipex_peer.compare(args.model, args.dtype, args.batch, peers, args.rounds, args.iters,
+                                 args.ipex_python, args.seq, tick=tick)
+    table = f"{ipex_peer.HEADER}\n{cell.row()}"
+    if args.json:
+        print(json.dumps(cell.to_dict(), indent=2, default=str))
+    else:
+        print(table)
+    if args.results:
+        cmd = "torchkiln " + " ".join(args._argv)
+        with open(args.results, "a") as f:
+            f.write(f"\n### {date.today()} `{cmd}`\n\n{table}\n")
+    return 0
+
+
+@contextlib.contextmanager
+def _ticks(enabled: bool, what: str, total: int):
+    """A progress bar advanced by calling what this yields (None when off)."""
+    from .progress import progress as progress_bar
+
+    with progress_bar(enabled) as prog:
+        if prog is None:
+            yield None
+            return
+        task = prog.add_task(what, total=total)
+        yield lambda: prog.advance(task)
 
 
 def _bench_llm(args) -> int:
@@ -163,6 +207,12 @@ def register(sub, common) -> None:
     b.add_argument("--peak", action="store_true", help="also measure the GEMM peak and report %% of it")
     b.add_argument("--results", help="append the table to this markdown file (e.g. benchmarks/RESULTS.md)")
     b.add_argument("--no-progress", action="store_true")
+    i = b.add_argument_group("bench MODEL --peer ipex: against IPEX 2.8 in its own venv (benchmarks/ipex_env.sh)")
+    i.add_argument("--peer", choices=["ipex"], help="run IPEX, stock torch.compile and torchkiln in separate "
+                                                    "processes, interleaved (--dtype float32|bfloat16|int8, "
+                                                    "--peers from compile,ipex,torchkiln, --rounds, --iters)")
+    i.add_argument("--ipex-python", help="the IPEX venv's python (default: $TORCHKILN_IPEX_PYTHON, else "
+                                         "~/.cache/torchkiln/ipex-venv/bin/python)")
     g = b.add_argument_group("bench llm (MODEL = llm): decode speed against transformers' generate")
     g.add_argument("--config", default="llama-125m", help="llama-125m | llama-350m | llama-1b | llama-3-8b "
                                                          "(random weights)")
