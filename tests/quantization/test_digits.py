@@ -1,0 +1,35 @@
+"""Real data (#8): a small CNN trained on scikit-learn's digits keeps its test accuracy within
+1 point of fp32 after int8-static, and after int8-static served through tk.optimize."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import torchkiln as tk
+
+pytest.importorskip("sklearn.datasets")
+from digits import accuracy, cnn, digits, fit  # noqa: E402
+
+
+def test_int8_static_cnn_within_one_point_of_fp32():
+    train, test = digits()
+    ref = cnn().train()
+    fit(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), train, 3, False)
+    ref.eval()
+    before = copy.deepcopy(ref.state_dict())
+    calib = [train[0][i:i + 64] for i in range(0, 512, 64)]  # 8 training batches, no test images
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = tk.quantize(ref, "int8-static", calib_data=calib, progress=False)
+        served = tk.optimize(ref, quantize="int8-static", calib_data=calib, sample_input=test[0][:64],
+                             time_budget=0.5)
+    acc_ref = accuracy(ref, test)
+    assert acc_ref > 0.9  # the reference learnt the task
+    for model in (q, served):
+        with torch.no_grad():
+            acc = float((model(test[0]).argmax(-1) == test[1]).float().mean())
+        assert acc >= acc_ref - 0.01, (acc, acc_ref)
+    assert q.kiln_quant.report.quantized == 3  # both convs and the linear really are int8
+    assert all(torch.equal(v, before[k]) for k, v in ref.state_dict().items())  # the caller's model untouched
