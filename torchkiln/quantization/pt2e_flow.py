@@ -25,22 +25,28 @@ def _pt2e():
 
 
 def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
-    """(graph module, dynamic): every tensor dimension dynamic if export allows, else static."""
+    """(graph module, dynamic): every tensor dimension dynamic if export allows, else static.
+
+    Strict export (dynamo) first: it records each node's ``source_fn_stack``, which torchao's
+    annotator matches patterns on. Non-strict export does not record it; torch 2.13 falls back
+    to the module stack, but torch 2.11 (measured on the H200 image, torchao 0.18) matches nothing
+    there, so every layer stayed float, silently. Non-strict when dynamo cannot trace the model.
+    """
     args, kwargs = sample
-    try:
-        auto = torch.export.Dim.AUTO
+    auto = torch.export.Dim.AUTO
 
-        def spec(v):
-            return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
+    def spec(v):
+        return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
 
-        shapes = {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
-        dyn = tuple(shapes["args"]) if not kwargs else None
-        ep = torch.export.export(model, args, kwargs, strict=False,
-                                 dynamic_shapes=dyn if dyn is not None else {**_arg_names(model, args),
-                                                                             **shapes["kwargs"]})
-        return ep.module(), True
-    except Exception:  # a model export cannot make dynamic: calibrated shapes only
-        return torch.export.export(model, args, kwargs, strict=False).module(), False
+    shapes = {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
+    dyn = tuple(shapes["args"]) if not kwargs else {**_arg_names(model, args), **shapes["kwargs"]}
+    for strict in (True, False):
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=dyn)
+            return ep.module(), True
+        except Exception:  # the next way; last, calibrated shapes only
+            continue
+    return torch.export.export(model, args, kwargs, strict=False).module(), False
 
 
 def _arg_names(model: nn.Module, args: tuple) -> dict:
