@@ -21,6 +21,7 @@ import warnings
 import torch
 
 import torchkiln as tk
+from torchkiln import stock
 from torchkiln.timing import interleaved
 
 warnings.filterwarnings("ignore")
@@ -28,28 +29,8 @@ warnings.filterwarnings("ignore")
 
 def stock_pt2e(model, sample_kwargs, calib):
     import torch._inductor.config as ic
-    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    a, k = sample_kwargs
-    # As the tutorial writes it (torch 2.13's export default, non-strict); torchao refuses a
-    # ResNet bottleneck's shared ReLU in that graph, and a user who hits the error retries
-    # with strict export, which names each call apart. The row says which one ran.
-    for strict in (False, True):
-        ep = torch.export.export(copy.deepcopy(model), a, k, strict=strict).module()
-        q = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
-        try:
-            p = prepare_pt2e(ep, q)
-            break
-        except ValueError as e:
-            if strict:
-                raise
-            print(f"  stock pt2e, non-strict export: {e}; retrying with strict=True")
-    with torch.no_grad():
-        for ca, ck in calib:
-            p(*ca, **ck)
-    c = convert_pt2e(p)
-    compiled = torch.compile(c)
+    compiled = torch.compile(stock.pt2e_int8(model, *sample_kwargs, calib, say=lambda m: print(f"  {m}")))
 
     def call(*args, **kwargs):
         with ic.patch({"freezing": True}):

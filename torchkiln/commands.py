@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from datetime import date
@@ -87,6 +86,7 @@ def _bench_ipex(args) -> int:
     """`torchkiln bench MODEL --peer ipex`: torchkiln, IPEX 2.8 (its own venv) and stock
     torch.compile, each in its own served process, timed in interleaved rounds."""
     from . import ipex_peer, zoo
+    from .progress import ticks
 
     if args.model not in zoo.MODELS:
         raise ValueError(f"--peer ipex runs zoo models (each peer builds its own copy in its own process); "
@@ -95,7 +95,7 @@ def _bench_ipex(args) -> int:
         raise ValueError("--peer ipex compares CPU inference at the default level; drop --shape, --device, "
                          "--level, --plot and --peak")
     peers = tuple(args.peers.split(",")) if args.peers else ipex_peer.PEERS
-    with _ticks(not args.json and not args.no_progress, "IPEX peer: builds, rounds", len(peers) + args.rounds) \
+    with ticks(not args.json and not args.no_progress, "IPEX peer: builds, rounds", len(peers) + args.rounds) \
             as tick:
         cell = ipex_peer.compare(args.model, args.dtype, args.batch, peers, args.rounds, args.iters,
                                  args.ipex_python, args.seq, tick=tick)
@@ -109,19 +109,6 @@ def _bench_ipex(args) -> int:
         with open(args.results, "a") as f:
             f.write(f"\n### {date.today()} `{cmd}`\n\n{table}\n")
     return 0
-
-
-@contextlib.contextmanager
-def _ticks(enabled: bool, what: str, total: int):
-    """A progress bar advanced by calling what this yields (None when off)."""
-    from .progress import progress as progress_bar
-
-    with progress_bar(enabled) as prog:
-        if prog is None:
-            yield None
-            return
-        task = prog.add_task(what, total=total)
-        yield lambda: prog.advance(task)
 
 
 def _bench_llm(args) -> int:

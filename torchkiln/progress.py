@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class progress:
     """A rich progress bar on stderr (stdout stays clean for --json); nothing when off."""
@@ -25,3 +27,14 @@ class progress:
         if self.prog is not None:
             self.prog.__exit__(*exc)
         return False
+
+
+@contextlib.contextmanager
+def ticks(enabled: bool, what: str, total: int):
+    """One bar of ``total`` steps; yields the function that advances it (None when off)."""
+    with progress(enabled) as prog:
+        if prog is None:
+            yield None
+            return
+        task = prog.add_task(what, total=total)
+        yield lambda: prog.advance(task)

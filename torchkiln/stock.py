@@ -117,3 +117,30 @@ class _Call:
             stack.enter_context(c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic,
                                         allow_tf32=c.allow_tf32))
         return stack
+
+
+def pt2e_int8(model: nn.Module, args: tuple, kwargs: dict, calib, strict_order=(False, True), say=print) -> nn.Module:
+    """Stock int8 as torchao's pt2e tutorial builds it: export, X86InductorQuantizer, calibrate
+    on ``calib`` ((args, kwargs) pairs), convert. Not compiled. The benchmarks' stock int8 peer.
+
+    ``strict_order``: the export modes tried in turn. The tutorial's export (non-strict, torch
+    2.13's default) is refused by torchao on a ResNet bottleneck's shared ReLU; a user who reads
+    that error retries with strict export, so the next mode runs and ``say`` reports why.
+    """
+    from .quantization import pt2e_flow
+    from .quantization.config import QuantConfig
+
+    _, prepare_pt2e, _ = pt2e_flow._pt2e()
+    for i, strict in enumerate(strict_order):
+        try:
+            graph = torch.export.export(copy.deepcopy(model), args, kwargs, strict=strict).module()
+            prepared = prepare_pt2e(graph, pt2e_flow.quantizer(QuantConfig("int8-static")))
+            break
+        except Exception as e:
+            if i == len(strict_order) - 1:
+                raise
+            say(f"stock pt2e, export strict={strict}: {str(e).splitlines()[0][:160]}; trying the next mode")
+    with torch.no_grad():
+        for a, k in calib:
+            prepared(*a, **k)
+    return pt2e_flow.convert(prepared)

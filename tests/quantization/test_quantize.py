@@ -302,3 +302,21 @@ def test_zoo_resnet50_int8_static_quantizes_every_layer():
     with torch.no_grad():
         ref, out = m(x), q(x)
     assert sqnr_db(ref, out) > 20 and torch.equal(ref.argmax(1), out.argmax(1))
+
+
+def test_stock_pt2e_int8_retries_the_tutorial_export_and_says_why():
+    """The benchmarks' stock peer: the tutorial's non-strict export is refused on a shared ReLU
+    (torch 2.13; other versions may accept it), the strict retry quantizes."""
+    from torchkiln import stock
+    from torchkiln.zoo import _Bottleneck
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), _Bottleneck(16, 4)).eval()
+    g = torch.Generator().manual_seed(3)
+    calib = [((torch.randn(2, 3, 16, 16, generator=g),), {}) for _ in range(3)]
+    said = []
+    q = stock.pt2e_int8(m, calib[0][0], {}, calib, say=said.append)
+    assert all("strict=False" in s for s in said) and len(said) <= 1
+    x = torch.randn(2, 3, 16, 16, generator=g)
+    out = q(x)
+    assert 25 < sqnr_db(m(x), out) < 80  # quantized (not an fp32 pass-through), and close

@@ -38,8 +38,8 @@ def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
     def spec(v):
         return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
 
-    shapes = {"args": tuple(spec(a) for a in args), "kwargs": {k: spec(v) for k, v in kwargs.items()}}
-    dyn = tuple(shapes["args"]) if not kwargs else {**_arg_names(model, args), **shapes["kwargs"]}
+    dyn = (tuple(spec(a) for a in args) if not kwargs
+           else {**_arg_names(model, args), **{k: spec(v) for k, v in kwargs.items()}})
     for strict in (True, False):
         try:
             ep = torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=dyn)
