@@ -43,6 +43,17 @@ def _worker(rank, world, init, order, out):
         elif order == "ddp-first":
             ddp = DDP(model)
             fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-2), time_budget=0)
+        elif order == "ranks-disagree":
+            # Rank 1's guard rejects the compiled step and rank 0's passes; the budget would let each
+            # rank's clock decide how many steps it times. Every rank must still serve the same step.
+            from torchkiln.training.module import TrainModule
+
+            if rank == 1:  # it still runs the probe steps: they are collectives the other rank joins
+                verify = TrainModule._verify
+                TrainModule._verify = lambda self, a, k: (verify(self, a, k), (False, "injected on rank 1"))[1]
+            ddp = DDP(model)
+            fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-2),
+                                    time_budget=0.5)
         else:
             fast, opt = tk.optimize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                     time_budget=0)
@@ -56,13 +67,16 @@ def _worker(rank, world, init, order, out):
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2 shards
         if rank == 0:
             torch.save([p.detach() for p in full], out)
+        torch.save({"active": fast.kiln_report.active if hasattr(fast, "kiln_report") else None,
+                    "fallbacks": [f.reason for f in getattr(fast, "kiln_report", None).fallbacks]
+                    if hasattr(fast, "kiln_report") else []}, f"{out}.{rank}")
         dist.barrier()  # no rank tears down while another still talks (an FSDP2 run aborted once there)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two processes, each compiling: about 50 s on 2 cores
-@pytest.mark.parametrize("order", ["ddp-first", "ddp-after", "fsdp2-first"])
+@pytest.mark.parametrize("order", ["ddp-first", "ddp-after", "fsdp2-first", "ranks-disagree"])
 def test_ddp_two_processes_match_one(order):
     ref = net()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -75,5 +89,10 @@ def test_ddp_two_processes_match_one(order):
         out = os.path.join(d, "params.pt")
         mp.spawn(_worker, args=(2, f"file://{d}/store", order, out), nprocs=2, join=True)
         got = torch.load(out)
+        reports = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    if order == "ranks-disagree":
+        assert reports[0]["active"] == reports[1]["active"] and reports[0]["active"].startswith("eager"), reports
+        assert any("another rank" in f for f in reports[0]["fallbacks"]), reports[0]
+        assert any("injected on rank 1" in f for f in reports[1]["fallbacks"]), reports[1]
     for p, q in zip(got, ref.parameters(), strict=True):
         torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5)

@@ -135,16 +135,20 @@ class TrainModule(OriginalFace):
             warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step {what} ({why}); "
                       "training runs eager")
 
+        what = "rejected"
         try:
             ok, why = self._verify(args, kwargs) if self._opts["verify"] != "off" else (True, "")
-            if ok:
-                passed.append("compiled")
-            else:
-                reject(why, "rejected")
         except Exception as e:
             if is_oom(e):
                 raise
-            reject(f"{type(e).__name__}: {first_line(e)}", "failed")
+            ok, why, what = False, f"{type(e).__name__}: {first_line(e)}", "failed"
+        # Under DDP/FSDP every rank must serve the same step (and time the same number of steps below).
+        if not _every_rank(ok, self._device) and ok:
+            ok, why = False, "the compiled step was rejected on another rank; every rank serves the same step"
+        if ok:
+            passed.append("compiled")
+        else:
+            reject(why, what)
         best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
         for n, m in by.items():
             if m.status != "failed":
@@ -159,10 +163,12 @@ class TrainModule(OriginalFace):
 
     def _verify(self, args, kwargs) -> tuple[bool, str]:
         rec = self.kiln_recipe
+        proj: dict = {}  # one projection for all three steps, freed after
         with probe.untouched(self.kiln_original, self._device, dropout=False) as params:
-            ref = probe.step(self.kiln_original, params, args, kwargs)  # float32 eager: the truth
-            base = probe.step(self._eager, params, args, kwargs) if rec.precision == "autocast" else None
-            got = probe.step(self._compiled, params, args, kwargs)
+            ref = probe.step(self.kiln_original, params, args, kwargs, cache=proj)  # float32 eager: the truth
+            base = probe.step(self._eager, params, args, kwargs, cache=proj) if rec.precision == "autocast" \
+                else None
+            got = probe.step(self._compiled, params, args, kwargs, cache=proj)
         dtype = DTYPES[rec.dtype]
         n_out = len(ref) - len(params)
         scale = _grad_scale(ref[n_out:])
@@ -181,7 +187,9 @@ class TrainModule(OriginalFace):
         t0 = time.perf_counter()
         errors: dict = {}
         with probe.untouched(self.kiln_original, self._device) as params:
-            steps = {n: (lambda fn=fn: probe.step(fn, params, args, kwargs, keep=False)) for n, fn in fns.items()}
+            proj: dict = {}
+            steps = {n: (lambda fn=fn: probe.step(fn, params, args, kwargs, keep=False, cache=proj))
+                     for n, fn in fns.items()}
             slowest = 0.0
             for f in steps.values():  # compile (and warm up) outside the clock
                 f()
@@ -191,10 +199,21 @@ class TrainModule(OriginalFace):
             # A step longer than the whole budget (bert-base on 2 CPU cores: ~8 s) gets one timed
             # round, not three: optimize time stays near the budget the user set.
             rounds = 1 if slowest > self._opts["time_budget"] else 3
-            times = interleaved(steps, self._device, self._opts["time_budget"], min_rounds=rounds, errors=errors)
+            if _world() > 1:
+                # Every backward of a DDP/FSDP model is a collective: ranks must take the same number of
+                # steps, so no budget or pruning decided by a rank's own clock.
+                rounds = int(_max_over_ranks(float(rounds), self._device))
+                times = interleaved(steps, self._device, 0.0, min_rounds=rounds, max_rounds=rounds,
+                                    prune=float("inf"), errors=errors)
+            else:
+                times = interleaved(steps, self._device, self._opts["time_budget"], min_rounds=rounds,
+                                    errors=errors)
         for n, e in errors.items():
             by[n].status, by[n].reason = "failed", f"{type(e).__name__}: {e}"[:300]
         med = {n: statistics.median(t) for n, t in times.items() if t}
+        if _world() > 1:  # the same choice on every rank: medians summed over ranks, a failure anywhere fails
+            summed = _sum_over_ranks([med.get(n, float("inf")) for n in fns], self._device)
+            med = {n: m / _world() for n, m in zip(fns, summed, strict=True) if m != float("inf")}
         for n, m in med.items():
             by[n].median_ms, by[n].calls_timed = round(1e3 * m, 4), len(times[n])
         self.kiln_report.selection_seconds = round(time.perf_counter() - t0, 3)
@@ -206,6 +225,35 @@ class TrainModule(OriginalFace):
     def extra_repr(self) -> str:
         return f"training, device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, " \
                f"active={self.kiln_report.active!r}"
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _collective(values: list[float], device: torch.device, op) -> list[float]:
+    if _world() == 1:
+        return values
+    dist = torch.distributed
+    # NCCL reduces CUDA tensors only; gloo takes CPU tensors.
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=where)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _every_rank(ok: bool, device: torch.device) -> bool:
+    return _collective([1.0 if ok else 0.0], device, torch.distributed.ReduceOp.MIN)[0] == 1.0 \
+        if _world() > 1 else ok
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    return _collective([value], device, torch.distributed.ReduceOp.MAX)[0] if _world() > 1 else value
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    return _collective(values, device, torch.distributed.ReduceOp.SUM) if _world() > 1 else values
 
 
 def _grad_scale(grads: list[torch.Tensor]) -> float:
