@@ -11,12 +11,16 @@
     command.py    the `torchkiln run` subcommand
     pool.py       tk.runtime.CPUPool and pin(): torch work on chosen cores, in-process
     streams.py    tk.runtime.MultiStreamModule and Task: calls on pinned threads of their own
+    timed.py      tk.runtime.measure: a benchmark's timed window, shared by the instances of a layout
+    tuning.py     `torchkiln run --autotune` / tk.runtime.autotune: measure layouts, save the best as JSON,
+                  `--layout FILE` reads it back (re-planned when tuned on another machine)
 
 The machine's topology comes from `torchkiln.hardware.topology`. pool.py and streams.py import
 torch; they load on first use, so the launcher stays fast.
 """
 
-_LAZY = {"CPUPool": ".pool", "pin": ".pool", "MultiStreamModule": ".streams", "Task": ".streams"}
+_LAZY = {"CPUPool": ".pool", "pin": ".pool", "MultiStreamModule": ".streams", "Task": ".streams",
+         "measure": ".timed", "autotune": ".tuning"}
 
 
 def __getattr__(name):

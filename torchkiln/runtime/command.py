@@ -17,6 +17,8 @@ _EPILOG = """examples:
   torchkiln run --dry-run --instances 2 infer.py --batch 8   show the plan, start nothing
   torchkiln run --cores-per-instance 4 --log-dir logs infer.py
   torchkiln run --nproc-per-node 2 train.py                   torchrun, each rank on its own cores
+  torchkiln run --autotune --save best.json bench.py          measure layouts, keep the fastest
+  torchkiln run --layout best.json infer.py                   run with the tuned layout
 see docs/runtime.md"""
 
 
@@ -37,6 +39,21 @@ def register(sub, common) -> None:
                                           "(auto: tcmalloc, else jemalloc, else the C library's)")
     env.add_argument("--omp", choices=["auto", "gnu", "intel"], default="auto",
                      help="OpenMP affinity variables to set (auto: for the runtime torch loads)")
+    lay.add_argument("--layout", metavar="FILE", help="use the layout a --autotune run saved (re-planned "
+                                                      "with a warning when tuned on another machine)")
+    tune = r.add_argument_group("autotune (measure layouts with SCRIPT, a short benchmark that calls "
+                                "tk.runtime.measure; save the best)")
+    tune.add_argument("--autotune", action="store_true", help="time SCRIPT under 1, 2, 4, ... instances and "
+                                                               "save the best layout")
+    tune.add_argument("--autotune-instances", metavar="K,K,...",
+                      help="instance counts to try (default: powers of 2 up to the cores, and one per node)")
+    tune.add_argument("--autotune-seconds", type=float, default=3.0, help="timed window per layout (3)")
+    tune.add_argument("--autotune-rounds", type=int, default=1, help="rounds, layouts interleaved; median (1)")
+    tune.add_argument("--autotune-goal", choices=["throughput", "latency"], default="throughput",
+                      help="what the best layout maximises: items/s over all instances, or the fastest call")
+    tune.add_argument("--save", metavar="FILE", default="torchkiln-layout.json",
+                      help="where --autotune writes its choice (default torchkiln-layout.json)")
+    tune.add_argument("--force", action="store_true", help="let --autotune replace an existing --save file")
     r.add_argument("--log-dir", help="also write instance i's output to LOG_DIR/instance_i.log")
     r.add_argument("--dry-run", action="store_true", help="print the plan, each instance's environment and "
                                                           "command, and start nothing")
@@ -84,9 +101,22 @@ def _cmd_run(args) -> int:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"script {script!r} does not exist")
     topology = detect_topology()
-    layout = plan_layout(topology, instances=torchrun.nproc_per_node if torchrun else args.instances,
-                         cores_per_instance=args.cores_per_instance, node_id=args.node_id,
-                         use_logical_cores=args.use_logical_cores)
+    if args.autotune:
+        return _cmd_autotune(args, topology, script, script_args, torchrun)
+    chosen = dict(instances=torchrun.nproc_per_node if torchrun else args.instances,
+                  cores_per_instance=args.cores_per_instance, node_id=args.node_id,
+                  use_logical_cores=args.use_logical_cores)
+    if args.layout:
+        if args.instances or args.cores_per_instance or args.node_id is not None or torchrun:
+            raise ValueError("--layout FILE sets the layout: drop --instances, --cores-per-instance, --node-id "
+                             "and --nproc-per-node")
+        from .tuning import load_layout
+
+        tuned, why = load_layout(args.layout, topology)
+        if why:
+            print(f"torchkiln run: warning: {why}", file=sys.stderr, flush=True)
+        chosen = tuned or dict(use_logical_cores=args.use_logical_cores)
+    layout = plan_layout(topology, **chosen)
     host = detect_host(layout, numa_nodes=len(topology.nodes()))
     plan = build_plan(layout, script, script_args, host, omp_choice=args.omp,
                       memory_allocator=args.memory_allocator, torchrun=torchrun)
@@ -101,6 +131,42 @@ def _cmd_run(args) -> int:
     if len(codes) > 1:
         print(f"torchkiln run: exit codes {codes}; returning {worst}", file=sys.stderr)
     return worst
+
+
+def _cmd_autotune(args, topology, script, script_args, torchrun) -> int:
+    from .launch import detect_host
+    from .layout import plan_layout
+    from .tuning import tune
+
+    if torchrun or args.layout or args.instances or args.cores_per_instance:
+        raise ValueError("--autotune chooses the layout itself: drop --instances, --cores-per-instance, "
+                         "--layout and --nproc-per-node (--autotune-instances 1,2 limits what it tries)")
+    if os.path.exists(args.save) and not args.force:
+        raise FileExistsError(f"--save {args.save!r} exists; pass --force to replace it or --save another file")
+    counts = None
+    if args.autotune_instances:
+        try:
+            counts = [int(k) for k in args.autotune_instances.split(",") if k.strip()]
+        except ValueError:
+            raise ValueError(f"--autotune-instances {args.autotune_instances!r}: use counts like 1,2,4") from None
+        bad = [k for k in counts if k < 1]
+        if bad or not counts:
+            raise ValueError(f"--autotune-instances {args.autotune_instances!r}: counts must be positive")
+    first = plan_layout(topology, node_id=args.node_id, use_logical_cores=args.use_logical_cores)
+    host = detect_host(first, numa_nodes=len(topology.nodes()))
+    tuned = tune(script, script_args, topology, host, instances=counts, node_id=args.node_id,
+                 use_logical_cores=args.use_logical_cores, seconds=args.autotune_seconds,
+                 rounds=args.autotune_rounds, goal=args.autotune_goal, omp_choice=args.omp,
+                 memory_allocator=args.memory_allocator, show_progress=not args.json)
+    tuned.save(args.save, overwrite=args.force)
+    if args.json:
+        print(json.dumps(tuned.to_dict(), indent=2))
+    else:
+        best = tuned.best
+        print(tuned.table())
+        print(f"best for {tuned.goal}: {best['instances']} x {best['cores_per_instance']} cores; saved to "
+              f"{args.save}\nrun it with: torchkiln run --layout {args.save} SCRIPT [ARGS ...]")
+    return 0
 
 
 def describe(plan, details: bool = True) -> str:

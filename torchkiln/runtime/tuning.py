@@ -1,0 +1,292 @@
+"""Choosing the layout by measuring it: `torchkiln run --autotune` and `tk.runtime.autotune`.
+
+IPEX's launcher had fixed layouts; which one is fastest depends on the model, the batch and the machine
+(on this repository's 2-core VM two 1-core instances of resnet50 bs16 beat one 2-core instance, see
+benchmarks/RESULTS.md "Layout autotune"). So the tuner runs the user's own short benchmark under a few
+layouts (1 instance on a whole node, then instances of 1/2, 1/4, ... of a node, as many as fit) and keeps the best as JSON for
+`torchkiln run --layout FILE`:
+
+- every instance of a layout times the same fixed window after a shared barrier (runtime/timed.py);
+  the layout's throughput is the sum of its instances' items per second, its latency the median of
+  their median call;
+- a script that never calls `measure` is timed as whole processes (start-up included), and says so;
+- with several rounds the layouts are interleaved round by round (this machine's speed drifts by up to
+  30% over seconds, so back-to-back blocks would compare drift) and the median round counts;
+- the file records the machine it was tuned on; on another machine (other CPUs, model or NUMA nodes)
+  `--layout` warns and re-plans with the default rule instead of applying a foreign layout.
+
+The launcher side imports only the standard library; `autotune(model, sample)` imports torch to save
+the model for its worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import timed as _measure
+from .bind import format_cpus
+from .layout import Layout, plan_layout
+
+__all__ = ["Trial", "Tuned", "autotune", "candidate_layouts", "load_layout", "machine_fingerprint", "tune"]
+
+FORMAT = "torchkiln-layout/1"
+GOALS = ("throughput", "latency")
+
+
+@dataclass(frozen=True)
+class Trial:
+    instances: int
+    cores_per_instance: int
+    cpus: str  # the CPUs the layout used, kernel list syntax
+    items_per_s: float | None  # summed over the instances; median over rounds
+    latency_ms: float | None  # median over instances of their median call; median over rounds
+    rounds: tuple[float, ...] = ()  # items_per_s of each round
+    source: str = "measure"  # "measure" (the script called tk.runtime.measure) | "wall" (whole processes)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What a tuning run measured and chose. `best` holds plan_layout's arguments, not CPU numbers, so
+    the same machine re-derives the same slices."""
+
+    machine: dict
+    goal: str
+    best: dict  # {"instances", "cores_per_instance", "use_logical_cores", "node_id"}
+    trials: tuple[Trial, ...]
+    command: tuple[str, ...]
+    seconds: float
+    rounds: int
+    date: str
+    format: str = FORMAT
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path, overwrite: bool = False) -> None:
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists; pass overwrite=True (--force) to replace it")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)  # a crash mid-write never leaves half a file under the real name
+
+    def table(self) -> str:
+        rows = [f"{'layout':<22} {'items/s':>10} {'latency ms':>11}  cpus"]
+        for t in self.trials:
+            name = f"{t.instances} x {t.cores_per_instance} cores"
+            if t.error:
+                rows.append(f"{name:<22} {'failed':>10} {'':>11}  {t.cpus}: {t.error}")
+                continue
+            mark = "  <- best" if (t.instances, t.cores_per_instance) == (
+                self.best["instances"], self.best["cores_per_instance"]) else ""
+            rows.append(f"{name:<22} {t.items_per_s:>10.2f} {t.latency_ms:>11.2f}  {t.cpus}{mark}")
+        if any(t.source == "wall" for t in self.trials):
+            rows.append("timed as whole processes, start-up included (the script does not call "
+                        "tk.runtime.measure): items/s counts runs of the script")
+        return "\n".join(rows)
+
+
+def machine_fingerprint(topology) -> dict:
+    """What must match for a tuned layout to apply: the CPU model, the usable CPUs and their nodes."""
+    from ..hardware.cpu import _read, parse_cpuinfo
+
+    info = parse_cpuinfo(_read("/proc/cpuinfo") or "")
+    per_node: dict[str, int] = {}
+    for c in topology.cpus:
+        per_node[str(c.node)] = per_node.get(str(c.node), 0) + 1
+    return {"cpu_model": info.get("model"), "cpus": format_cpus(c.cpu for c in topology.cpus),
+            "physical_cores": len(topology.physical()), "cpus_per_node": per_node}
+
+
+def candidate_layouts(topology, instances: Sequence[int] | None = None, node_id: int | None = None,
+                      use_logical_cores: bool = False) -> list[Layout]:
+    """By default: 1 instance on a whole node (the latency layout), then slices of 1/2, 1/4, ... of a node
+    down to 1 core, each with as many instances as fit in every node. With `instances`: those counts,
+    each the largest equal slice that fits. A layout reached twice is measured once."""
+    def plan(**kw):
+        return plan_layout(topology, node_id=node_id, use_logical_cores=use_logical_cores, **kw)
+
+    if instances is None:
+        largest = len(plan(instances=1).instances[0].cpus)
+        sizes = sorted({max(1, largest >> p) for p in range(largest.bit_length())}, reverse=True)
+        layouts = [plan(instances=1)] + [plan(cores_per_instance=s) for s in sizes]
+    else:
+        layouts = [plan(instances=k) for k in sorted(set(instances))]
+    seen, out = set(), []
+    for layout in layouts:
+        key = tuple(i.cpus for i in layout.instances)
+        if key not in seen:
+            seen.add(key)
+            out.append(layout)
+    return out
+
+
+def _run_layout(plan, folder: Path, seconds: float) -> tuple[list[dict], float, str | None]:
+    """Run one planned layout once: each instance's report (empty when the script did not call
+    measure), the wall time of the slowest instance, and the first failure."""
+    from .supervise import run_processes
+
+    extra = {_measure.DIR_ENV: str(folder), _measure.SECONDS_ENV: str(seconds)}
+    procs = [dataclasses.replace(p, env={**p.env, **extra}) for p in plan.processes]
+    logs = folder / "logs"
+    t0 = time.perf_counter()
+    codes = run_processes(procs, log_dir=str(logs), out=io.StringIO())
+    wall = time.perf_counter() - t0
+    for p, code in zip(procs, codes, strict=True):
+        if code != 0:
+            text = (logs / f"instance_{p.index}.log").read_text(errors="replace").strip().splitlines()
+            lines = [ln for ln in text if ln.strip()]
+            # The exception's own line when there is one; warnings often come after it or instead of it.
+            last = next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln),
+                        lines[-1] if lines else "no output")
+            return [], wall, f"instance {p.index} exited {code}: {last.strip()[:200]}"
+    reports = [json.loads((folder / f"report_{p.index}.json").read_text())
+               for p in procs if (folder / f"report_{p.index}.json").exists()]
+    if reports and len(reports) != len(procs):
+        return [], wall, f"{len(reports)} of {len(procs)} instances reported; each must call measure once"
+    return reports, wall, None
+
+
+def tune(script: str, script_args: Sequence[str], topology, host, instances: Sequence[int] | None = None,
+         node_id: int | None = None, use_logical_cores: bool = False, seconds: float = 3.0, rounds: int = 1,
+         goal: str = "throughput", omp_choice: str = "auto", memory_allocator: str = "auto",
+         show_progress: bool = True, extra_env: dict | None = None) -> Tuned:
+    """Measure `script` under each candidate layout and choose the best for `goal`."""
+    from ..progress import ticks
+    from .launch import build_plan
+
+    if goal not in GOALS:
+        raise ValueError(f"goal={goal!r}: use 'throughput' (items per second over all instances) or "
+                         "'latency' (the median call of one instance)")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: a positive integer")
+    if not float(seconds) > 0:
+        raise ValueError(f"seconds={seconds!r}: a positive number of seconds each layout is timed for")
+    layouts = candidate_layouts(topology, instances, node_id, use_logical_cores)
+    plans = [build_plan(lay, script, list(script_args), host, omp_choice=omp_choice,
+                        memory_allocator=memory_allocator) for lay in layouts]
+    if extra_env:
+        plans = [dataclasses.replace(p, processes=tuple(dataclasses.replace(q, env={**q.env, **extra_env})
+                                                        for q in p.processes)) for p in plans]
+    results: list[list] = [[] for _ in layouts]
+    errors: list[str | None] = [None] * len(layouts)
+    with tempfile.TemporaryDirectory(prefix="torchkiln-autotune-") as tmp, \
+            ticks(show_progress, "autotune layouts", len(layouts) * rounds) as tick:
+        for r in range(rounds):
+            for i, plan in enumerate(plans):
+                if errors[i] is None:
+                    folder = Path(tmp) / f"r{r}_l{i}"
+                    folder.mkdir()
+                    reports, wall, errors[i] = _run_layout(plan, folder, seconds)
+                    results[i].append((reports, wall))
+                if tick:
+                    tick()
+    trials = tuple(_trial(lay, res, err) for lay, res, err in zip(layouts, results, errors, strict=True))
+    ok = [(t, lay) for t, lay in zip(trials, layouts, strict=True) if t.error is None]
+    if not ok:
+        raise RuntimeError("torchkiln autotune: every layout failed:\n" +
+                           "\n".join(f"  {t.instances} x {t.cores_per_instance}: {t.error}" for t in trials))
+    pick = max if goal == "throughput" else min
+    best, _ = pick(ok, key=lambda tl: tl[0].items_per_s if goal == "throughput" else tl[0].latency_ms)
+    chosen = {"instances": best.instances, "cores_per_instance": best.cores_per_instance,
+              "use_logical_cores": use_logical_cores, "node_id": node_id}
+    return Tuned(machine=machine_fingerprint(topology), goal=goal, best=chosen, trials=trials,
+                 command=(script, *script_args), seconds=float(seconds), rounds=rounds,
+                 date=datetime.datetime.now().isoformat(timespec="seconds"))
+
+
+def _trial(layout: Layout, runs: list, error: str | None) -> Trial:
+    n, size = len(layout.instances), len(layout.instances[0].cpus)
+    cpus = format_cpus(c for i in layout.instances for c in i.cpus)
+    if error is not None:
+        return Trial(n, size, cpus, None, None, error=error)
+    per_round, latency = [], []
+    source = "measure" if all(reports for reports, _ in runs) else "wall"
+    for reports, wall in runs:
+        if source == "measure":
+            per_round.append(sum(r["items_per_s"] for r in reports))
+            latency.append(statistics.median(r["latency_ms"] for r in reports))
+        else:  # runs of the whole script per second, over all instances
+            per_round.append(n / wall)
+            latency.append(wall * 1e3)
+    return Trial(n, size, cpus, statistics.median(per_round), statistics.median(latency),
+                 rounds=tuple(per_round), source=source)
+
+
+def load_layout(path, topology) -> tuple[dict | None, str | None]:
+    """plan_layout's arguments from a tuned file, or (None, why) when it was tuned on another machine."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--layout {path!r}: no such file (make one with torchkiln run --autotune)"
+                                ) from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--layout {path!r}: not a layout file ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("best"), dict):
+        raise ValueError(f"--layout {path!r}: not a {FORMAT} file written by torchkiln run --autotune")
+    here = machine_fingerprint(topology)
+    diff = [k for k in here if data.get("machine", {}).get(k) != here[k]]
+    if diff:
+        theirs = data.get("machine", {})
+        what = "; ".join(f"{k}: tuned on {theirs.get(k)!r}, here {here[k]!r}" for k in diff)
+        return None, f"{path} was tuned on another machine ({what}); re-planning with the default layout"
+    keys = ("instances", "cores_per_instance", "use_logical_cores", "node_id")
+    return {k: data["best"].get(k) for k in keys}, None
+
+
+def autotune(model, sample, *, items: int | None = None, dtype=None, optimize: bool = True,
+             instances: Sequence[int] | None = None, seconds: float = 3.0, rounds: int = 1,
+             goal: str = "throughput", save=None, overwrite: bool = False, node_id: int | None = None,
+             progress: bool = True) -> Tuned:
+    """Measure `model(sample)` under each candidate layout, in worker processes as `torchkiln run` would
+    start them, and return the choice (saved to `save` when given, for `torchkiln run --layout`).
+
+    Each instance loads the model (its class must be importable: defined in a module, not in __main__)
+    and, with `optimize=True`, runs `tk.optimize(model, dtype=dtype, sample_input=sample)` with its own
+    thread count before timing. `items` is one call's batch (default: the sample's first dimension)."""
+    import torch
+
+    from ..hardware.topology import detect_topology
+    from .launch import detect_host
+
+    if save is not None and Path(save).exists() and not overwrite:
+        raise FileExistsError(f"save={str(save)!r} exists; pass overwrite=True to replace it")
+    if type(model).__module__ == "__main__":
+        raise ValueError(f"model: {type(model).__name__} is defined in __main__, which the worker processes "
+                         "cannot import; move the class into a module, or time your own script with "
+                         "`torchkiln run --autotune SCRIPT` and tk.runtime.measure")
+    if items is None:
+        from ..inputs import flatten, normalize
+
+        first = flatten(normalize(sample))[:1]
+        items = int(first[0].shape[0]) if first and first[0].dim() else 1
+    topology = detect_topology()
+    with tempfile.TemporaryDirectory(prefix="torchkiln-autotune-model-") as tmp:
+        payload = Path(tmp) / "payload.pt"
+        torch.save({"model": model, "sample": sample}, payload)
+        worker = Path(__file__).with_name("_tuning_worker.py")
+        args = [str(payload), "--items", str(items), "--dtype", str(dtype).replace("torch.", "")]
+        args += [] if optimize else ["--no-optimize"]
+        # The worker is run by path: it must find the model's module and torchkiln as this process does.
+        path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+        first = plan_layout(topology, node_id=node_id)
+        tuned = tune(str(worker), args, topology, detect_host(first, numa_nodes=len(topology.nodes())),
+                     instances=instances, node_id=node_id, seconds=seconds, rounds=rounds, goal=goal,
+                     show_progress=progress, extra_env={"PYTHONPATH": path})
+    tuned = dataclasses.replace(tuned, command=(f"tk.runtime.autotune({type(model).__name__}, items={items}, "
+                                                f"dtype={dtype}, optimize={optimize})",))
+    if save is not None:
+        tuned.save(save, overwrite=overwrite)
+    return tuned
