@@ -26,18 +26,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import CONFIGS  # noqa: E402
-
-CONFIGS = {**CONFIGS, "tiny": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 2})}
-
-
-def build(name: str, device: torch.device):
-    import transformers
-
-    cfg_cls, model_cls, over = CONFIGS[name]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **over)
-    return getattr(transformers, model_cls)(cfg).to(device).train()
+from train_step import CONFIGS, build, make_step  # noqa: E402
 
 
 def _free_port() -> int:
@@ -57,7 +46,7 @@ def _worker(rank, world, port, a, out):
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
         low = getattr(torch, a.dtype)
-        model = build(a.model, dev)
+        model = build(a.model, str(dev))
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, model.config.vocab_size, (a.batch, a.seq), generator=g).to(dev)
         batch = {"input_ids": ids, "labels": ids}
@@ -70,12 +59,7 @@ def _worker(rank, world, port, a, out):
             fast, opt = torch.compile(ddp), torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=cuda)
             autocast = True
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=low, enabled=autocast):
-                loss = fast(**batch).loss
-            loss.backward()
-            opt.step()
+        step = make_step(fast, opt, batch, dev.type, low, autocast)
 
         t = time.perf_counter()
         for _ in range(2):

@@ -31,6 +31,7 @@ CONFIGS = {  # transformers config class, model class, config overrides (random 
     "bert-large": ("BertConfig", "BertForMaskedLM", {"hidden_size": 1024, "num_hidden_layers": 24,
                                                      "num_attention_heads": 16, "intermediate_size": 4096}),
     "gpt2-medium": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    "tiny": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 2}),  # script checks
 }
 
 
@@ -41,6 +42,17 @@ def build(name: str, device: str):
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **over)
     return getattr(transformers, model_cls)(cfg).to(device).train()
+
+
+def make_step(model, opt, batch: dict, device_type: str, dtype: torch.dtype, autocast: bool):
+    """One training step as a user's loop writes it (the model computes its own loss from labels)."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=dtype, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+    return step
 
 
 def main():
@@ -63,32 +75,26 @@ def main():
     steps, notes = {}, {}
     want = a.peers.split(",")
 
-    def make_step(model, opt, autocast):
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=low, enabled=autocast):
-                loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-        return step
+    def stepper(model, opt, autocast):
+        return make_step(model, opt, batch, dev.type, low, autocast)
 
     t0 = time.perf_counter()
     if "eager fp32" in want:
         m = copy.deepcopy(base)
-        steps["eager fp32"] = make_step(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
+        steps["eager fp32"] = stepper(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
     if "compile+autocast" in want:
         m = copy.deepcopy(base)
-        steps[f"compile+autocast {a.dtype} +fused AdamW"] = make_step(
+        steps[f"compile+autocast {a.dtype} +fused AdamW"] = stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
     if "compile fp32" in want:  # the stock peer where bf16 is not native (emulated bf16 is far slower)
         m = copy.deepcopy(base)
-        steps["compile fp32 +fused AdamW"] = make_step(
+        steps["compile fp32 +fused AdamW"] = stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), False)
     if "torchkiln" in want:
         m = copy.deepcopy(base)
         fast, opt = tk.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), dtype=low,
                                 sample_input=batch)
-        steps["torchkiln"] = make_step(fast, opt, False)
+        steps["torchkiln"] = stepper(fast, opt, False)
         notes["torchkiln"] = str(fast.kiln_report)
     for name, s in steps.items():  # compile and warm up outside the clock
         t = time.perf_counter()
