@@ -587,3 +587,19 @@ def test_generate_warns_that_it_is_unoptimized():
     x = torch.randn(2, 4)
     with pytest.warns(UserWarning, match=r"generate\(\) runs the original model's forward, unoptimized"):
         torch.testing.assert_close(o.generate(x), m(x) + 1)
+
+
+def test_progress_bar_while_building_candidates(capsys):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    tk.optimize(model, sample_input=x, time_budget=0)
+    assert "building candidates" not in capsys.readouterr().err  # off unless asked
+    fast = tk.optimize(model, sample_input=x, time_budget=0, progress=True)
+    assert "building candidates" in capsys.readouterr().err
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_progress_must_be_a_bool():
+    with pytest.raises(ValueError, match="progress='yes'"):
+        tk.optimize(nn.Linear(2, 2).eval(), progress="yes")

@@ -44,6 +44,7 @@ from .modelutil import (
     training_module,
 )
 from .plan import INTEL_ONLY, KNOBS, plan
+from .progress import ticks
 from .recipe import Recipe
 from .report import Fallback, Measurement, Report
 from .timing import interleaved
@@ -206,6 +207,9 @@ class KilnModule(OriginalFace):
             for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
                 m = measures.setdefault(cand.name, Measurement(cand.name, cand.kind, cand.dtype))
                 fn, out, why = self._try(cand, args, kwargs, measures)
+                tick = getattr(self, "_tick", None)  # set by optimize(progress=True) around its sample call
+                if tick:
+                    tick()
                 if fn is None:
                     m.status, m.reason = "failed", why
                     continue
@@ -488,13 +492,15 @@ def _unoptimized(method, name: str):
 
 def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=None, inplace: bool = False,
              optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
-             quantize=None, calib_data=None, **knobs):
+             quantize=None, calib_data=None, progress: bool | None = None, **knobs):
     """Plan and apply the fastest verified recipe for ``model`` on this machine.
 
     Accepts every ``ipex.optimize`` keyword. Returns an ``nn.Module`` (with
     ``optimizer``: the tuple ``(model, optimizer)``, as IPEX does). ``quantize``: a
     tk.quantize scheme, applied first (with ``calib_data``), then compiled and verified
     against the eager quantized model; a model tk.quantize returned is served the same way.
+    ``progress``: True shows a bar (stderr) while ``sample_input``'s candidates are built and
+    verified, and tk.quantize's calibration bar; False hides both; None (default) keeps tk.quantize's.
     """
     _log.configure()
     t0 = time.perf_counter()
@@ -515,6 +521,8 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     if verify not in VERIFY:
         raise ValueError(f"verify={verify!r} is not one of {VERIFY}: 'shapes' checks the first {VERIFIED_SHAPES} "
                          "input shapes against the original, 'first' only the first call, 'off' none")
+    if progress not in (None, True, False):
+        raise ValueError(f"progress={progress!r} must be True, False or None (the default)")
     if not isinstance(time_budget, (int, float)) or time_budget < 0:
         raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
     if optimizer is not None:
@@ -541,7 +549,8 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     if quantize is not None:
         from .quantization import quantize as _quantize
 
-        model = _quantize(model, quantize, calib_data=calib_data, sample_input=sample_input, device=target)
+        more = {} if progress is None else {"progress": progress}
+        model = _quantize(model, quantize, calib_data=calib_data, sample_input=sample_input, device=target, **more)
     elif calib_data is not None:
         raise ValueError("calib_data= is only used with quantize= (e.g. quantize='int8-static'); "
                          "without it, remove calib_data")
@@ -571,7 +580,13 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
             sample_ref = model(*args, **kwargs)
     kiln = KilnModule(model, recipe, report, sample, inplace, verify, candidates, float(time_budget), sample_ref)
     if sample is not None:
-        kiln(*sample[0], **sample[1])  # compile, verify and time now, not on the user's first request
+        steps = sum(1 for c in kiln._cands if c.kind != "original")
+        with ticks(bool(progress), "building candidates", steps) as tick:
+            object.__setattr__(kiln, "_tick", tick)
+            try:
+                kiln(*sample[0], **sample[1])  # compile, verify and time now, not on the user's first request
+            finally:
+                object.__setattr__(kiln, "_tick", None)
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     log.info("%s", report)
     return kiln
