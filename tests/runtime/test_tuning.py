@@ -97,33 +97,57 @@ def step():
         raise RuntimeError("boom in instance " + os.environ["TORCHKILN_INSTANCE"])
     first[0] = False
     time.sleep(0.005)
-measure(step, warmup=1, seconds=0.3)
+print(measure(step, warmup=1, seconds=0.3))
 """
 
 
-def _run_instances(tmp_path, text, extra=None):
+def _play_tuner(tmp_path, text, extra=None, rounds=2):
+    """Two instances under the autotune protocol, this test acting as the tuner."""
     path = script(tmp_path, text)
     folder = tmp_path / "tune"
     folder.mkdir()
     env = {**os.environ, "TORCHKILN_AUTOTUNE_DIR": str(folder), "TORCHKILN_INSTANCES": "2", **(extra or {})}
     procs = [subprocess.Popen([sys.executable, path], env={**env, "TORCHKILN_INSTANCE": str(i)},
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    return folder, [p.wait(timeout=120) for p in procs]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+
+    def until(cond, limit=60):
+        deadline = time.monotonic() + limit
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    until(lambda: all((folder / f"ready_{i}").exists() for i in (0, 1)) or any(p.poll() is not None
+                                                                                for p in procs))
+    ready_at = time.time()
+    reports = []
+    for r in range(rounds):
+        if any(p.poll() is not None for p in procs):
+            break
+        assert not any((folder / f"report_{r}_{i}.json").exists() for i in (0, 1))  # nobody times early
+        (folder / f"go_{r}").touch()
+        until(lambda r=r: all((folder / f"report_{r}_{i}.json").exists() for i in (0, 1)))
+        reports.append([json.loads((folder / f"report_{r}_{i}.json").read_text()) for i in (0, 1)])
+    (folder / "stop").touch()
+    codes = [p.wait(timeout=60) for p in procs]
+    return folder, codes, reports, ready_at, [p.stdout.read() for p in procs]
 
 
-def test_instances_start_their_window_together(tmp_path):
-    folder, codes = _run_instances(tmp_path, BARRIER)
-    assert codes == [0, 0]
-    started = [json.loads((folder / f"report_{i}.json").read_text())["started"] for i in (0, 1)]
-    # Without the barrier instance 0 would start 1.5 s earlier.
-    assert abs(started[0] - started[1]) < 0.5, started
+def test_instances_time_a_window_per_go_together_and_return_at_stop(tmp_path):
+    folder, codes, reports, ready_at, outs = _play_tuner(tmp_path, BARRIER)
+    assert codes == [0, 0] and len(reports) == 2
+    for pair in reports:
+        started = [rep["started"] for rep in pair]
+        assert abs(started[0] - started[1]) < 0.1, started  # one go, both windows
+        assert min(started) >= ready_at - 0.1  # instance 0 waited for the slow warm-up of instance 1
+        assert all(0.3 <= rep["seconds"] < 1.0 for rep in pair)
+    assert "'calls'" in outs[0]  # measure() returned the last window's figures to the script
 
 
 def test_a_failing_instance_releases_the_others(tmp_path):
     t0 = time.monotonic()
-    folder, codes = _run_instances(tmp_path, BARRIER, {"FAIL": "1"})
-    assert codes[1] != 0 and codes[0] != 0  # 0 left the barrier on the abort mark instead of waiting 900 s
-    assert time.monotonic() - t0 < 60
+    folder, codes, reports, _, _ = _play_tuner(tmp_path, BARRIER, {"FAIL": "1"})
+    assert codes[1] != 0 and codes[0] != 0  # 0 left its wait on the abort mark instead of waiting an hour
+    assert time.monotonic() - t0 < 60 and reports == []
     assert (folder / "abort").exists()
 
 

@@ -2,21 +2,26 @@
 
 A benchmark script calls it once with its steady-state step. Run alone it warms up, times calls for a
 few seconds and returns throughput and latency. Under `--autotune` (the launcher sets
-$TORCHKILN_AUTOTUNE_DIR) it also:
+$TORCHKILN_AUTOTUNE_DIR) the instance stays up for the whole tuning run instead:
 
-- waits, after its warm-up, until every instance of the layout is warm (a file barrier). Instances warm
-  up at different speeds (compiles, caches), and an instance timed while another still compiles would
-  have the cores' bandwidth to itself and read fast;
-- times for the same fixed window in every instance, so all of them run under the same contention from
-  start to end. A fixed number of calls would let a fast instance finish early and the slow ones run
-  the rest alone;
-- writes its figures to the autotune folder for the launcher to add up.
+- after its warm-up it marks itself ready and waits. The tuner starts every layout's instances once,
+  so each instance warms up (compiles, runs tk.optimize) once, not once per round;
+- it times one window each time the tuner says `go_R` (a file), which the tuner does for one layout
+  at a time, after every instance of every layout is warm: an instance timed while another still
+  compiles, or while another layout runs, would read the wrong machine;
+- every instance of the layout times the same fixed window, so all run under the same contention from
+  start to end (a fixed number of calls would let a fast instance finish early and the rest run alone);
+- it writes each window's figures for the tuner, and returns when the tuner says `stop`.
+
+Waiting is a 20 ms poll of the folder: the go signals reach the instances within 20 ms of each other
+(under 1% of a 3 s window), and a waiting instance costs ~50 wake-ups a second.
 
 Standard library only: the launcher imports this file's names without importing torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -28,19 +33,48 @@ __all__ = ["measure"]
 
 DIR_ENV = "TORCHKILN_AUTOTUNE_DIR"
 SECONDS_ENV = "TORCHKILN_AUTOTUNE_SECONDS"
-BARRIER_TIMEOUT_S = 900.0  # the slowest instance's warm-up (a cold inductor compile on one core)
+WAIT_S = 3600.0  # for the other layouts' warm-up (cold inductor compiles, several processes at once)
+POLL_S = 0.02
 
 
-def _wait_for_all(folder: Path, index: int, count: int) -> None:
-    (folder / f"ready_{index}").touch()
-    deadline = time.monotonic() + BARRIER_TIMEOUT_S
-    while sum(1 for i in range(count) if (folder / f"ready_{i}").exists()) < count:
+def _wait_for(folder: Path, names: tuple[str, ...]) -> str:
+    """The first of `names` to appear in `folder`."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        for name in names:
+            if (folder / name).exists():
+                return name
         if (folder / "abort").exists():
-            raise RuntimeError("torchkiln autotune: another instance of this layout failed; stopping")
+            raise RuntimeError("torchkiln autotune: the tuning run was stopped (an instance failed, or the "
+                               "tuner ended); stopping")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"torchkiln autotune: the other instances were not warm after "
-                               f"{BARRIER_TIMEOUT_S:.0f} s")
-        time.sleep(0.01)
+            raise TimeoutError(f"torchkiln autotune: no word from the tuner for {WAIT_S:.0f} s")
+        time.sleep(POLL_S)
+
+
+def _window(fn, sync, items: int, window: float) -> dict:
+    times = []
+    started = time.time()  # wall clock, comparable across instances (diagnostics, tests)
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if t1 - start >= window:
+            break
+    elapsed = time.perf_counter() - start
+    return {"items": items * len(times), "calls": len(times), "seconds": elapsed,
+            "items_per_s": items * len(times) / elapsed, "latency_ms": statistics.median(times) * 1e3,
+            "started": started}
+
+
+def _write(folder: Path, name: str, result: dict) -> None:
+    tmp = folder / f".{name}"
+    tmp.write_text(json.dumps(result))
+    tmp.replace(folder / name)  # the tuner never reads half a report
 
 
 def measure(fn: Callable[[], object], items: int = 1, seconds: float | None = None, warmup: int = 3,
@@ -50,7 +84,8 @@ def measure(fn: Callable[[], object], items: int = 1, seconds: float | None = No
     `sync` runs after each call when the work is asynchronous (`torch.cuda.synchronize`).
 
     Returns {"items", "calls", "seconds", "items_per_s", "latency_ms", "started"}: latency is the median
-    call, `started` the wall-clock time the timed window began."""
+    call, `started` the wall-clock time the timed window began. Under --autotune: the last window's
+    figures, after the tuner's `stop` ({} if it timed none here)."""
     if isinstance(items, bool) or not isinstance(items, int) or items < 1:
         raise ValueError(f"items={items!r}: the number of samples one call processes, a positive integer")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -59,36 +94,22 @@ def measure(fn: Callable[[], object], items: int = 1, seconds: float | None = No
     window = float(os.environ.get(SECONDS_ENV, 3.0)) if seconds is None else float(seconds)
     if not window > 0:
         raise ValueError(f"seconds={seconds!r}: a positive number of seconds to time for")
-    index = int(os.environ.get("TORCHKILN_INSTANCE", "0"))
-    count = int(os.environ.get("TORCHKILN_INSTANCES", "1"))
     try:
         for _ in range(warmup):
             fn()
             if sync:
                 sync()
-        if folder:
-            _wait_for_all(Path(folder), index, count)
-        times = []
-        started = time.time()  # wall clock, comparable across instances (diagnostics, tests)
-        start = time.perf_counter()
-        while True:
-            t0 = time.perf_counter()
-            fn()
-            if sync:
-                sync()
-            t1 = time.perf_counter()
-            times.append(t1 - t0)
-            if t1 - start >= window:
-                break
+        if not folder:
+            return _window(fn, sync, items, window)
+        folder, index = Path(folder), int(os.environ.get("TORCHKILN_INSTANCE", "0"))
+        _write(folder, f"ready_{index}", {})
+        result: dict = {}
+        for r in itertools.count():
+            if _wait_for(folder, (f"go_{r}", "stop")) == "stop":
+                return result
+            result = _window(fn, sync, items, window)
+            _write(folder, f"report_{r}_{index}.json", result)
     except BaseException:
-        if folder:  # release the others from the barrier instead of leaving them waiting
+        if folder:  # release this layout's other instances instead of leaving them waiting
             (Path(folder) / "abort").touch()
         raise
-    elapsed = time.perf_counter() - start
-    result = {"items": items * len(times), "calls": len(times), "seconds": elapsed,
-              "items_per_s": items * len(times) / elapsed, "latency_ms": statistics.median(times) * 1e3, "started": started}
-    if folder:
-        tmp = Path(folder) / f".report_{index}.json"
-        tmp.write_text(json.dumps(result))
-        tmp.replace(Path(folder) / f"report_{index}.json")
-    return result

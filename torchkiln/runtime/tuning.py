@@ -6,9 +6,11 @@ benchmarks/RESULTS.md "Layout autotune"). So the tuner runs the user's own short
 layouts (1 instance on a whole node, then instances of 1/2, 1/4, ... of a node, as many as fit) and keeps the best as JSON for
 `torchkiln run --layout FILE`:
 
-- every instance of a layout times the same fixed window after a shared barrier (runtime/timed.py);
-  the layout's throughput is the sum of its instances' items per second, its latency the median of
-  their median call;
+- each layout's instances start once and stay up for every round (runtime/timed.py): they warm up (and
+  run tk.optimize) once, then each round times one window per layout, one layout at a time, after every
+  instance of every layout is warm; the layout's throughput is the sum of its instances' items per
+  second, its latency the median of their median call. Before, each trial restarted its processes and
+  paid the warm-up again: ~70 s a trial for resnet50 on the H200 host's 16 cores;
 - a script that never calls `measure` is timed as whole processes (start-up included), and says so;
 - with several rounds the layouts are interleaved round by round (this machine's speed drifts by up to
   30% over seconds, so back-to-back blocks would compare drift) and the median round counts;
@@ -29,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,37 +136,101 @@ def candidate_layouts(topology, instances: Sequence[int] | None = None, node_id:
     return out
 
 
-def _run_layout(plan, folder: Path, seconds: float) -> tuple[list[dict], float, str | None]:
-    """Run one planned layout once: each instance's report (empty when the script did not call
-    measure), the wall time of the slowest instance, and the first failure."""
-    from .supervise import run_processes
+class _Running:
+    """One layout's instances, started once and kept up for every round (runtime/timed.py's protocol:
+    ready_I when warm, then one timed window per go_R, until stop)."""
 
-    extra = {_measure.DIR_ENV: str(folder), _measure.SECONDS_ENV: str(seconds)}
-    procs = [dataclasses.replace(p, env={**p.env, **extra}) for p in plan.processes]
-    logs = folder / "logs"
+    def __init__(self, plan, folder: Path, seconds: float):
+        folder.mkdir()
+        extra = {_measure.DIR_ENV: str(folder), _measure.SECONDS_ENV: str(seconds)}
+        self.folder = folder
+        self.procs = [dataclasses.replace(p, env={**p.env, **extra}) for p in plan.processes]
+        self.codes: list[int] | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from .supervise import run_processes
+
+        try:
+            self.codes = run_processes(self.procs, log_dir=str(self.folder / "logs"), out=io.StringIO())
+        except Exception as e:  # could not start: reported as this layout's failure
+            self.codes, self.crash = [1] * len(self.procs), f"{type(e).__name__}: {e}"
+
+    def start(self) -> _Running:
+        self.thread.start()
+        return self
+
+    def started(self) -> bool:
+        return self.thread.ident is not None
+
+    def exited(self) -> bool:
+        return self.started() and not self.thread.is_alive()
+
+    def ready(self) -> bool:
+        return all((self.folder / f"ready_{p.index}").exists() for p in self.procs)
+
+    def reports(self, r: int) -> list[dict] | None:
+        paths = [self.folder / f"report_{r}_{p.index}.json" for p in self.procs]
+        return [json.loads(f.read_text()) for f in paths] if all(f.exists() for f in paths) else None
+
+    def signal(self, name: str) -> None:
+        (self.folder / name).touch()
+
+    def error(self) -> str | None:
+        """Why this layout failed: the first instance that exited non-zero, with its exception's line."""
+        if getattr(self, "crash", None):
+            return self.crash
+        for p, code in zip(self.procs, self.codes or [], strict=False):
+            if code != 0:
+                log = self.folder / "logs" / f"instance_{p.index}.log"
+                lines = [ln for ln in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                         if ln.strip()]
+                # The exception's own line when there is one; warnings often come after it or instead.
+                last = next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln),
+                            lines[-1] if lines else "no output")
+                return f"instance {p.index} exited {code}: {last.strip()[:200]}"
+        return None
+
+
+def _until(condition) -> None:
+    while not condition():
+        time.sleep(0.05)
+
+
+def _measure_all(running: list[_Running], rounds: int, errors: list, results: list, tick) -> None:
+    """Every layout already started and warm (or failed): one window per layout per round, one layout at
+    a time, the others idle."""
+    for r in range(rounds):
+        for i, run in enumerate(running):
+            if errors[i] is None:
+                run.signal(f"go_{r}")
+                _until(lambda run=run, r=r: run.reports(r) is not None or run.exited())
+                reports = run.reports(r)
+                if reports is None:
+                    errors[i] = run.error() or "an instance exited before its window ended"
+                else:
+                    results[i].append((reports, None))
+            if tick:
+                tick()
+
+
+def _wall_run(plan, folder: Path) -> tuple[float, str | None]:
+    """A script that never calls measure: one run of the layout, timed whole."""
+    run = _Running(plan, folder, 1.0)
     t0 = time.perf_counter()
-    codes = run_processes(procs, log_dir=str(logs), out=io.StringIO())
-    wall = time.perf_counter() - t0
-    for p, code in zip(procs, codes, strict=True):
-        if code != 0:
-            text = (logs / f"instance_{p.index}.log").read_text(errors="replace").strip().splitlines()
-            lines = [ln for ln in text if ln.strip()]
-            # The exception's own line when there is one; warnings often come after it or instead of it.
-            last = next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln),
-                        lines[-1] if lines else "no output")
-            return [], wall, f"instance {p.index} exited {code}: {last.strip()[:200]}"
-    reports = [json.loads((folder / f"report_{p.index}.json").read_text())
-               for p in procs if (folder / f"report_{p.index}.json").exists()]
-    if reports and len(reports) != len(procs):
-        return [], wall, f"{len(reports)} of {len(procs)} instances reported; each must call measure once"
-    return reports, wall, None
+    run.start().thread.join()
+    return time.perf_counter() - t0, run.error()
 
 
 def tune(script: str, script_args: Sequence[str], topology, host, instances: Sequence[int] | None = None,
          node_id: int | None = None, use_logical_cores: bool = False, seconds: float = 3.0, rounds: int = 1,
          goal: str = "throughput", omp_choice: str = "auto", memory_allocator: str = "auto",
          show_progress: bool = True, extra_env: dict | None = None) -> Tuned:
-    """Measure `script` under each candidate layout and choose the best for `goal`."""
+    """Measure `script` under each candidate layout and choose the best for `goal`.
+
+    The first layout starts alone: if its script exits without calling measure, every layout is timed
+    as whole runs, one after another. Otherwise all the other layouts start and warm up too, then each
+    round times one window per layout, one layout at a time."""
     from ..progress import ticks
     from .launch import build_plan
 
@@ -184,22 +251,50 @@ def tune(script: str, script_args: Sequence[str], topology, host, instances: Seq
     errors: list[str | None] = [None] * len(layouts)
     with tempfile.TemporaryDirectory(prefix="torchkiln-autotune-") as tmp, \
             ticks(show_progress, "autotune layouts", len(layouts) * rounds) as tick:
-        for r in range(rounds):
-            for i, plan in enumerate(plans):
-                if errors[i] is None:
-                    folder = Path(tmp) / f"r{r}_l{i}"
-                    folder.mkdir()
-                    reports, wall, errors[i] = _run_layout(plan, folder, seconds)
-                    results[i].append((reports, wall))
-                if tick:
-                    tick()
+        running = [_Running(plan, Path(tmp) / f"l{i}", seconds) for i, plan in enumerate(plans)]
+        mode, ok = None, False
+        try:
+            for i, run in enumerate(running):  # the first layout that gets warm decides the mode
+                run.start()
+                _until(lambda run=run: run.ready() or run.exited())
+                if run.ready():
+                    mode = "measure"
+                    break
+                if run.codes and not any(run.codes):
+                    mode = "wall"
+                    break
+                errors[i] = run.error()
+            if mode == "measure":
+                rest = [run.start() for run in running if not run.started()]
+                _until(lambda: all(run.ready() or run.exited() for run in rest))
+                for i, run in enumerate(running):
+                    if errors[i] is None and not run.ready():
+                        errors[i] = run.error() or "exited without calling tk.runtime.measure"
+                _measure_all(running, rounds, errors, results, tick)
+            elif mode == "wall":
+                for r in range(rounds):
+                    for i, plan in enumerate(plans):
+                        if errors[i] is None:
+                            wall, errors[i] = _wall_run(plan, Path(tmp) / f"wall_r{r}_l{i}")
+                            results[i].append(([], wall))
+                        if tick:
+                            tick()
+            ok = True
+        finally:
+            for run in running:
+                if run.started():
+                    run.signal("stop" if ok else "abort")
+            if ok:  # each script finishes what follows its measure() call
+                for run in running:
+                    if run.started():
+                        run.thread.join()
     trials = tuple(_trial(lay, res, err) for lay, res, err in zip(layouts, results, errors, strict=True))
-    ok = [(t, lay) for t, lay in zip(trials, layouts, strict=True) if t.error is None]
+    ok = [t for t in trials if t.error is None]
     if not ok:
         raise RuntimeError("torchkiln autotune: every layout failed:\n" +
                            "\n".join(f"  {t.instances} x {t.cores_per_instance}: {t.error}" for t in trials))
     pick = max if goal == "throughput" else min
-    best, _ = pick(ok, key=lambda tl: tl[0].items_per_s if goal == "throughput" else tl[0].latency_ms)
+    best = pick(ok, key=lambda t: t.items_per_s if goal == "throughput" else t.latency_ms)
     chosen = {"instances": best.instances, "cores_per_instance": best.cores_per_instance,
               "use_logical_cores": use_logical_cores, "node_id": node_id}
     return Tuned(machine=machine_fingerprint(topology), goal=goal, best=chosen, trials=trials,
