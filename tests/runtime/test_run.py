@@ -69,6 +69,18 @@ def test_two_instances_each_on_its_own_core(show, tmp_path, capsys):
 
 
 @two_cores
+def test_instances_start_within_a_second_of_each_other(tmp_path, capsys):
+    # The launcher-overhead bound: each instance's first line carries the time it started.
+    script = tmp_path / "stamp.py"
+    script.write_text("import time\nprint(time.time())\n")
+    before = time.time()
+    assert cli.main(["run", "--instances", "2", str(script)]) == 0
+    stamps = [float(v[0]) for v in parse(capsys.readouterr().out).values()]
+    assert len(stamps) == 2 and max(stamps) - min(stamps) < 1.0, stamps
+    assert min(stamps) - before < 2.0  # and the first within 2 s of the call (Python start-up included)
+
+
+@two_cores
 def test_worst_exit_code_is_returned(show, capsys, monkeypatch):
     monkeypatch.setenv("EXIT_1", "3")
     assert cli.main(["run", "--instances", "2", show]) == 3
