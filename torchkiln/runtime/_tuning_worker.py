@@ -1,6 +1,6 @@
 """One instance of `tk.runtime.autotune(model, sample)`: load, optionally optimize, time with measure().
 
-Run by path by the tuner (python _autotune_worker.py PAYLOAD --items N --dtype D [--no-optimize]), once
+Run by path by the tuner (python _tuning_worker.py PAYLOAD --items N --dtype D [--no-optimize]), once
 per instance of each layout, with that instance's OpenMP variables and CPU binding already set.
 """
 

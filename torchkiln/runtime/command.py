@@ -43,10 +43,11 @@ def register(sub, common) -> None:
                                                       "with a warning when tuned on another machine)")
     tune = r.add_argument_group("autotune (measure layouts with SCRIPT, a short benchmark that calls "
                                 "tk.runtime.measure; save the best)")
-    tune.add_argument("--autotune", action="store_true", help="time SCRIPT under 1, 2, 4, ... instances and "
-                                                               "save the best layout")
+    tune.add_argument("--autotune", action="store_true", help="time SCRIPT under several layouts and save the "
+                                                               "best")
     tune.add_argument("--autotune-instances", metavar="K,K,...",
-                      help="instance counts to try (default: powers of 2 up to the cores, and one per node)")
+                      help="instance counts to try (default: 1 instance on a node, then slices of 1/2, 1/4, ... "
+                           "of a node down to 1 core, as many as fit)")
     tune.add_argument("--autotune-seconds", type=float, default=3.0, help="timed window per layout (3)")
     tune.add_argument("--autotune-rounds", type=int, default=1, help="rounds, layouts interleaved; median (1)")
     tune.add_argument("--autotune-goal", choices=["throughput", "latency"], default="throughput",
@@ -134,8 +135,6 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_autotune(args, topology, script, script_args, torchrun) -> int:
-    from .launch import detect_host
-    from .layout import plan_layout
     from .tuning import tune
 
     if torchrun or args.layout or args.instances or args.cores_per_instance:
@@ -152,9 +151,7 @@ def _cmd_autotune(args, topology, script, script_args, torchrun) -> int:
         bad = [k for k in counts if k < 1]
         if bad or not counts:
             raise ValueError(f"--autotune-instances {args.autotune_instances!r}: counts must be positive")
-    first = plan_layout(topology, node_id=args.node_id, use_logical_cores=args.use_logical_cores)
-    host = detect_host(first, numa_nodes=len(topology.nodes()))
-    tuned = tune(script, script_args, topology, host, instances=counts, node_id=args.node_id,
+    tuned = tune(script, script_args, topology, instances=counts, node_id=args.node_id,
                  use_logical_cores=args.use_logical_cores, seconds=args.autotune_seconds,
                  rounds=args.autotune_rounds, goal=args.autotune_goal, omp_choice=args.omp,
                  memory_allocator=args.memory_allocator, show_progress=not args.json)

@@ -1,10 +1,10 @@
 """Choosing the layout by measuring it: `torchkiln run --autotune` and `tk.runtime.autotune`.
 
 IPEX's launcher had fixed layouts; which one is fastest depends on the model, the batch and the machine
-(on this repository's 2-core VM two 1-core instances of resnet50 bs16 beat one 2-core instance, see
-benchmarks/RESULTS.md "Layout autotune"). So the tuner runs the user's own short benchmark under a few
-layouts (1 instance on a whole node, then instances of 1/2, 1/4, ... of a node, as many as fit) and keeps the best as JSON for
-`torchkiln run --layout FILE`:
+(resnet50 bf16 bs16 on the H200 host's 16 cores: 8 instances x 2 cores gave 2.28x one 16-core
+instance, 2 x 8 only 1.34x; benchmarks/RESULTS.md "Layout autotune"). So the tuner runs the user's own
+short benchmark under a few layouts (1 instance on a whole node, then instances of 1/2, 1/4, ... of a
+node, as many as fit) and keeps the best as JSON for `torchkiln run --layout FILE`:
 
 - each layout's instances start once and stay up for every round (runtime/timed.py): they warm up (and
   run tk.optimize) once, then each round times one window per layout, one layout at a time, after every
@@ -222,7 +222,7 @@ def _wall_run(plan, folder: Path) -> tuple[float, str | None]:
     return time.perf_counter() - t0, run.error()
 
 
-def tune(script: str, script_args: Sequence[str], topology, host, instances: Sequence[int] | None = None,
+def tune(script: str, script_args: Sequence[str], topology, host=None, instances: Sequence[int] | None = None,
          node_id: int | None = None, use_logical_cores: bool = False, seconds: float = 3.0, rounds: int = 1,
          goal: str = "throughput", omp_choice: str = "auto", memory_allocator: str = "auto",
          show_progress: bool = True, extra_env: dict | None = None) -> Tuned:
@@ -230,9 +230,10 @@ def tune(script: str, script_args: Sequence[str], topology, host, instances: Seq
 
     The first layout starts alone: if its script exits without calling measure, every layout is timed
     as whole runs, one after another. Otherwise all the other layouts start and warm up too, then each
-    round times one window per layout, one layout at a time."""
+    round times one window per layout, one layout at a time. `host`: launch.detect_host's facts
+    (detected here when None)."""
     from ..progress import ticks
-    from .launch import build_plan
+    from .launch import build_plan, detect_host
 
     if goal not in GOALS:
         raise ValueError(f"goal={goal!r}: use 'throughput' (items per second over all instances) or "
@@ -242,6 +243,7 @@ def tune(script: str, script_args: Sequence[str], topology, host, instances: Seq
     if not float(seconds) > 0:
         raise ValueError(f"seconds={seconds!r}: a positive number of seconds each layout is timed for")
     layouts = candidate_layouts(topology, instances, node_id, use_logical_cores)
+    host = host or detect_host(layouts[0], numa_nodes=len(topology.nodes()))
     plans = [build_plan(lay, script, list(script_args), host, omp_choice=omp_choice,
                         memory_allocator=memory_allocator) for lay in layouts]
     if extra_env:
@@ -354,7 +356,6 @@ def autotune(model, sample, *, items: int | None = None, dtype=None, optimize: b
     import torch
 
     from ..hardware.topology import detect_topology
-    from .launch import detect_host
 
     if save is not None and Path(save).exists() and not overwrite:
         raise FileExistsError(f"save={str(save)!r} exists; pass overwrite=True to replace it")
@@ -365,8 +366,8 @@ def autotune(model, sample, *, items: int | None = None, dtype=None, optimize: b
     if items is None:
         from ..inputs import flatten, normalize
 
-        first = flatten(normalize(sample))[:1]
-        items = int(first[0].shape[0]) if first and first[0].dim() else 1
+        tensors = flatten(normalize(sample))[:1]
+        items = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
     topology = detect_topology()
     with tempfile.TemporaryDirectory(prefix="torchkiln-autotune-model-") as tmp:
         payload = Path(tmp) / "payload.pt"
@@ -376,9 +377,7 @@ def autotune(model, sample, *, items: int | None = None, dtype=None, optimize: b
         args += [] if optimize else ["--no-optimize"]
         # The worker is run by path: it must find the model's module and torchkiln as this process does.
         path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
-        first = plan_layout(topology, node_id=node_id)
-        tuned = tune(str(worker), args, topology, detect_host(first, numa_nodes=len(topology.nodes())),
-                     instances=instances, node_id=node_id, seconds=seconds, rounds=rounds, goal=goal,
+        tuned = tune(str(worker), args, topology, instances=instances, node_id=node_id, seconds=seconds, rounds=rounds, goal=goal,
                      show_progress=progress, extra_env={"PYTHONPATH": path})
     tuned = dataclasses.replace(tuned, command=(f"tk.runtime.autotune({type(model).__name__}, items={items}, "
                                                 f"dtype={dtype}, optimize={optimize})",))

@@ -199,20 +199,18 @@ class TrainModule(OriginalFace):
             # A step longer than the whole budget (bert-base on 2 CPU cores: ~8 s) gets one timed
             # round, not three: optimize time stays near the budget the user set.
             rounds = 1 if slowest > self._opts["time_budget"] else 3
+            budget, fixed = self._opts["time_budget"], {}
             if _world() > 1:
                 # Every backward of a DDP/FSDP model is a collective: ranks must take the same number of
                 # steps, so no budget or pruning decided by a rank's own clock.
-                rounds = int(_max_over_ranks(float(rounds), self._device))
-                times = interleaved(steps, self._device, 0.0, min_rounds=rounds, max_rounds=rounds,
-                                    prune=float("inf"), errors=errors)
-            else:
-                times = interleaved(steps, self._device, self._opts["time_budget"], min_rounds=rounds,
-                                    errors=errors)
+                rounds = int(_collective([float(rounds)], self._device, "MAX")[0])
+                budget, fixed = 0.0, {"max_rounds": rounds, "prune": float("inf")}
+            times = interleaved(steps, self._device, budget, min_rounds=rounds, errors=errors, **fixed)
         for n, e in errors.items():
             by[n].status, by[n].reason = "failed", f"{type(e).__name__}: {e}"[:300]
         med = {n: statistics.median(t) for n, t in times.items() if t}
         if _world() > 1:  # the same choice on every rank: medians summed over ranks, a failure anywhere fails
-            summed = _sum_over_ranks([med.get(n, float("inf")) for n in fns], self._device)
+            summed = _collective([med.get(n, float("inf")) for n in fns], self._device, "SUM")
             med = {n: m / _world() for n, m in zip(fns, summed, strict=True) if m != float("inf")}
         for n, m in med.items():
             by[n].median_ms, by[n].calls_timed = round(1e3 * m, 4), len(times[n])
@@ -232,28 +230,20 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _collective(values: list[float], device: torch.device, op) -> list[float]:
+def _collective(values: list[float], device: torch.device, op: str) -> list[float]:
+    """`values` all-reduced over the process group with ReduceOp `op`; as given without one."""
     if _world() == 1:
         return values
     dist = torch.distributed
     # NCCL reduces CUDA tensors only; gloo takes CPU tensors.
     where = device if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor(values, dtype=torch.float64, device=where)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
 
 
 def _every_rank(ok: bool, device: torch.device) -> bool:
-    return _collective([1.0 if ok else 0.0], device, torch.distributed.ReduceOp.MIN)[0] == 1.0 \
-        if _world() > 1 else ok
-
-
-def _max_over_ranks(value: float, device: torch.device) -> float:
-    return _collective([value], device, torch.distributed.ReduceOp.MAX)[0] if _world() > 1 else value
-
-
-def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    return _collective(values, device, torch.distributed.ReduceOp.SUM) if _world() > 1 else values
+    return _collective([float(ok)], device, "MIN")[0] == 1.0
 
 
 def _grad_scale(grads: list[torch.Tensor]) -> float:
