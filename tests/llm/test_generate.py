@@ -277,6 +277,17 @@ def test_int4_packing_round_trips():
     assert (w - lin.weight).abs().max() <= (lin.weight.abs().max() * 2 / 15) / 2 + 1e-5
 
 
+def test_gemv_routing_is_decided_by_device_and_rows():
+    """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
+    the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""
+    from torchkiln.llm import gemv
+    from torchkiln.llm.quant import Int8Linear
+
+    assert not Int8Linear(torch.nn.Linear(128, 8)).kernel
+    assert not gemv.usable(torch.zeros(1, 128), 128)  # a CPU tensor
+    assert gemv._pow2(1) == 1 and gemv._pow2(3) == 4 and gemv._pow2(4) == 4
+
+
 def test_bad_input_is_named():
     import transformers as T
 

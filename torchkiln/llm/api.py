@@ -47,7 +47,7 @@ class LLMReport:
     spec: dict | None = None
     verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
-    quant_layers: int | None = None      # Linears quantized (the output head stays float)
+    quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
     setup_s: float = 0.0
     compile_s: list = dataclasses.field(default_factory=list)
     cache: dict | None = None

@@ -1,22 +1,27 @@
 """Weight-only quantization of the fast decoder's Linears.
 
-int8 is hand-written (gpt-fast's form): int8 weights with one scale per output channel,
-dequantized inside the matmul expression, for the compiler to fuse the cast into the
-batch-1 GEMV. torchao's Int8WeightOnlyConfig (0.18, on torch 2.11) ran Llama-3-8B decode
-at 136 tok/s on the H200, below bf16's 185. This form reached bf16's speed (201 vs 199
-decode tok/s), not the 2x a 1-byte read allows: the fused int8 reduction ran at 1.5 TB/s
-(benchmarks/RESULTS.md, LLM decode).
+int8: int8 weights with one scale per output channel; int4: asymmetric groups along the input,
+two per byte. On CUDA, decode (at most gemv.MAX_ROWS rows) runs the hand-written Triton GEMVs
+in gemv.py; elsewhere, and for prefill, the weights are dequantized inside the matmul expression
+(gpt-fast's form) for the compiler to fuse. That expression alone, on the H200, read int8 weights
+at 1.5 TB/s (decode no faster than bf16: 201 vs 199 tok/s) and torchao's Int8WeightOnlyConfig
+ran at 136 tok/s (benchmarks/RESULTS.md, LLM decode); hence the kernels.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# int4 kernel: "auto" is torchao's tinygemm on CUDA and Int4Linear elsewhere. On the H200,
-# Llama-3-8B decode: tinygemm 179 tok/s, Int4Linear 66 (the compiler did not fuse the
-# unpack into the GEMV there); tinygemm has no CPU kernel for fp32 models.
+from . import gemv
+
+# int4 kernel: "auto" is torchao's tinygemm on CUDA where torchao is installed, else Int4Linear
+# (the Triton GEMV for CUDA decode, the expression elsewhere). On the H200, bs1 GEMVs of
+# Llama-3-8B's shapes: tinygemm 1.43-1.74x bf16, the Triton int4 GEMV 1.08-1.39x
+# (benchmarks/RESULTS.md, "Decode GEMVs"); the expression alone decoded at 66 tok/s.
 INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
@@ -24,6 +29,8 @@ INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        self.in_features = linear.in_features
+        self.kernel = gemv.wanted(linear.weight)  # the Triton GEMV serves CUDA decode
         w = linear.weight.detach().float()
         scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
         self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
@@ -31,52 +38,67 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        if self.kernel and gemv.usable(x, self.in_features):
+            out = gemv.int8_linear(x, self.weight, self.scales)
+        else:
+            out = F.linear(x, self.weight.to(x.dtype)) * self.scales
         return out + self.bias if self.bias is not None else out
 
 
 class Int4Linear(nn.Module):
-    """Asymmetric int4 weights in groups (128 by default) along the input, two per byte, unpacked
-    and scaled inside the matmul expression like Int8Linear. The CPU int4 path (tinygemm, the
-    CUDA one, has no CPU kernel for fp32 models). On CUDA it was measured against tinygemm and
-    lost (see INT4_IMPL)."""
+    """Asymmetric int4 weights in groups (128 by default) along the input, two per byte: in each
+    group the low nibbles hold its first half of columns, the high nibbles its second half (the
+    layout the Triton GEMV reads; see gemv.py). Elsewhere unpacked and scaled inside the matmul
+    expression like Int8Linear (tinygemm, torch's CUDA int4 kernel, has no CPU kernel for fp32)."""
 
     def __init__(self, linear: nn.Linear, group: int = 128):
         super().__init__()
+        self.in_features = linear.in_features
+        self.kernel = gemv.wanted(linear.weight)
         w = linear.weight.detach().float()
         n, k = w.shape
         g = w.view(n, k // group, group)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
-        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).view(n, k)
-        self.register_buffer("packed", q[:, 0::2] | (q[:, 1::2] << 4))
+        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        half = group // 2
+        self.register_buffer("packed", (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2))
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.register_buffer("zero", lo.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, half = self.packed.shape
-        q = torch.stack((self.packed & 0xF, self.packed >> 4), dim=-1).view(n, -1, self.group)
-        w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, 2 * half)
+        if self.kernel and gemv.usable(x, self.in_features):
+            out = gemv.int4_linear(x, self.packed, self.scale, self.zero, self.group)
+            return out + self.bias if self.bias is not None else out
+        n, k = self.packed.shape[0], 2 * self.packed.shape[1]
+        p = self.packed.view(n, k // self.group, self.group // 2)
+        q = torch.stack((p & 0xF, p >> 4), dim=2).view(n, -1, self.group)
+        w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
         out = F.linear(x, w)
         return out + self.bias if self.bias is not None else out
 
 
 def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
-    """Replace the decoder's layer Linears; returns how many. The output head stays in floating
-    point: quantized, the compiler kept it an external GEMM whose dequantized weight copy cost
-    1.26 ms per token (21% of the int8 step) on the H200 profile."""
-    impl = INT4_IMPL if INT4_IMPL != "auto" else ("torchao" if device.type == "cuda" else "expression")
+    """Replace the decoder's layer Linears (and, where the CUDA kernels run, the output head, in
+    int8 for both modes: it is the largest single matrix and int8 keeps the logits close); returns
+    how many. Without the kernels the head stays floating point: dequantized inside the expression,
+    the compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the
+    int8 step) on the H200 profile."""
+    kernels = device.type == "cuda" and gemv.available()
+    impl = INT4_IMPL
+    if impl == "auto":
+        impl = "torchao" if device.type == "cuda" and importlib.util.find_spec("torchao") else "int4linear"
+    done = 0
     if quant == "int4" and impl == "torchao":
         from ..quantization.config import QuantConfig
         from ..quantization.schemes import torchao, torchao_config
 
         config = torchao_config(QuantConfig("int4-weight-only"), device)
+        done = sum(isinstance(m, nn.Linear) for m in decoder.layers.modules())
         torchao().quantize_(decoder.layers, config, filter_fn=lambda m, name: isinstance(m, nn.Linear))
-        return sum(isinstance(m, nn.Linear) for m in decoder.layers.modules())
-    done = 0
-    for m in list(decoder.layers.modules()):
+    for m in list(decoder.layers.modules()) if done == 0 else ():
         for name, child in list(m.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
@@ -88,4 +110,8 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
                     continue  # counted out: the report shows fewer quantized layers
                 setattr(m, name, Int4Linear(child, group))
             done += 1
+    if kernels:
+        decoder.head = Int8Linear(decoder.head)
+        done += 1
+        gemv.warm(decoder, decoder.norm.weight.dtype)
     return done

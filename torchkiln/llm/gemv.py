@@ -1,0 +1,219 @@
+"""Weight-only int8/int4 GEMVs for the CUDA decode step, hand-written in Triton.
+
+Why hand-written: on the H200, Llama-3-8B decode with int8 weights dequantized inside the
+matmul expression (gpt-fast's form, fused by inductor into a reduction kernel) read its weights
+at ~1.5 TB/s, half the 3.2 TB/s of the bf16 GEMVs, so int8 decoded no faster than bf16.
+torchao's Int8WeightOnlyConfig was slower still (136 tok/s against bf16's 185) and its int4
+kernel (tinygemm) read at ~1.4 TB/s (benchmarks/RESULTS.md, "LLM decode"). Neither torch nor
+torchao ships a batch-1 kernel that streams 1- or 0.5-byte weights at the bandwidth limit.
+
+The kernels stream the weight once, in wide row-major tiles, and dequantize in registers:
+- int8: one scale per output row (symmetric), ``y = (x @ q.T) * scale``;
+- int4: asymmetric groups of G inputs, ``w = q * scale + zero``, two values per byte with the
+  low nibble column j of a group and the high nibble column j + G/2 (so both halves meet
+  contiguous slices of x). Per group the kernel sums ``q * x`` and applies scale and zero once.
+
+All rows of x (at most MAX_ROWS: decode batches) go through one program per weight tile, so
+the weight is read once; wider inputs (prefill) take the matmul expression instead. Registered as custom ops (``torchkiln::``), so
+torch.compile and CUDA graphs see one opaque call; the launch configuration is tuned per
+weight shape on first use, which ``warm()`` does before any graph is captured.
+"""
+
+import functools
+import importlib.util
+
+import torch
+
+MAX_ROWS = 4  # decode rows served by the kernels (prefill takes the expression)
+
+
+@functools.cache
+def available() -> bool:
+    """Triton and a CUDA device are present (the kernels are CUDA-only)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def wanted(weight: torch.Tensor) -> bool:
+    """Should a layer with this (CUDA) weight use the kernels? Registers the ops if so. Decided
+    once, when the layer is built: the forward then only reads tensor shapes, which the
+    compiler can trace (a fullgraph compile rejects the import machinery behind available())."""
+    if weight.is_cuda and available():
+        _ops()
+        return True
+    return False
+
+
+def usable(x: torch.Tensor, k: int) -> bool:
+    """Does a call with input ``x`` (..., k) take a kernel (at trace time, shapes are static)?"""
+    rows = x.numel() // k if k else 0
+    return x.is_cuda and 0 < rows <= MAX_ROWS and k % 64 == 0
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.ops.torchkiln.int8_gemv(x, weight, scales)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group: int) -> torch.Tensor:
+    return torch.ops.torchkiln.int4_gemv(x, packed, scale, zero, group)
+
+
+def warm(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Tune each quantized Linear's kernel once (one row), outside any CUDA-graph capture."""
+    with torch.no_grad():
+        for m in module.modules():
+            k = getattr(m, "in_features", None)
+            if getattr(m, "kernel", False) and k:
+                m(torch.zeros(1, k, device=next(m.buffers()).device, dtype=dtype))
+
+
+def _pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+@functools.cache
+def _ops():
+    """Build the Triton kernels and register the ops on first use (no import-time work)."""
+    import triton
+    import triton.language as tl
+
+    # Integer-to-float conversion units run at a fraction of the FMA rate. Instead, an integer v in
+    # [0, 2^23) ORed into the bits of 2^23 is the float 2^23 + v: one integer op and one
+    # subtraction. On the H200 the int8 GEMVs of Llama-3-8B's shapes ran 1.06-1.22x faster so
+    # (benchmarks/RESULTS.md). Written out in each kernel: Triton does not resolve a jit helper
+    # defined in this function's closure.
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+               for n, k, w, s in ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4),
+                                  (32, 256, 4, 3), (32, 256, 8, 4), (32, 512, 8, 3), (64, 128, 4, 4),
+                                  (8, 1024, 8, 3), (16, 1024, 8, 3), (8, 256, 4, 4), (16, 128, 4, 4))]
+
+    @triton.autotune(configs=configs, key=["N", "K"])
+    @triton.jit
+    def _int8_one(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One row of x: a 2-D accumulator, reduced once at the end. On the H200 this form ran
+        # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row.
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        keep = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = x_ptr + rk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            inside = rk < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
+            x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
+            # int8 + 128 is in [1, 255]: the float of it less 128 is the weight
+            wf = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            acc += wf * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1) * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+
+    @triton.autotune(configs=configs, key=["N", "K", "ROWS"])
+    @triton.jit
+    def _int8_few(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        # All ROWS rows of x in one program: the weight tile is read once for every row.
+        rm = tl.arange(0, ROWS)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        keep = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            inside = rk < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
+            x = tl.load(x_ptrs, mask=(rm[:, None] < M) & inside[None, :], other=0.0).to(tl.float32)
+            wf = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            acc += wf[None, :, :] * x[:, None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=2) * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rm[:, None] * N + rn[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & keep[None, :])
+
+    configs4 = [triton.Config({"BLOCK_N": n, "R": r}, num_warps=w, num_stages=s)
+                for n, r, w, s in ((16, 2, 4, 3), (16, 4, 4, 3), (32, 2, 4, 3), (32, 4, 8, 3),
+                                   (8, 8, 4, 3), (64, 2, 8, 3), (16, 8, 8, 4), (32, 1, 4, 4))]
+
+    @triton.autotune(configs=configs4, key=["N", "K", "G", "ROWS"])
+    @triton.jit
+    def _int4(x_ptr, p_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_N: tl.constexpr, R: tl.constexpr):
+        HALF: tl.constexpr = G // 2
+        rm = tl.arange(0, ROWS)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rr = tl.arange(0, R)
+        rj = tl.arange(0, HALF)
+        keep = rn < N
+        groups = K // G
+        p_ptrs = p_ptr + rn[:, None, None].to(tl.int64) * (K // 2) + rr[None, :, None] * HALF + rj[None, None, :]
+        x_ptrs = x_ptr + rr[:, None] * G + rj[None, :]
+        q_ptrs = rn[:, None].to(tl.int64) * groups + rr[None, :]  # scale and zero offsets
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for g in range(0, tl.cdiv(groups, R)):
+            inside = rr < groups - g * R
+            both = keep[:, None] & inside[None, :]
+            p = tl.load(p_ptrs, mask=keep[:, None, None] & inside[None, :, None], other=0).to(tl.int32)
+            lo = ((p & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            s = tl.load(s_ptr + q_ptrs, mask=both, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + q_ptrs, mask=both, other=0.0).to(tl.float32)
+            for m in tl.static_range(ROWS):  # the dequantized tile serves every row
+                real = inside[:, None] & ((rj[None, :] * 0 + m) < M)  # a padding row reads zeros
+                xl = tl.load(x_ptrs + m * K, mask=real, other=0.0).to(tl.float32)
+                xh = tl.load(x_ptrs + m * K + HALF, mask=real, other=0.0).to(tl.float32)
+                part = tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2)  # per group: sum q x
+                xs = tl.sum(xl + xh, axis=1)  # per group: sum x, for the zero point
+                got = tl.sum(s * part + z * xs[None, :], axis=1)
+                acc = tl.where(rm[:, None] == m, acc + got[None, :], acc)
+            p_ptrs += R * HALF
+            x_ptrs += R * G
+            q_ptrs += R
+        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & keep[None, :])
+
+    def rows_of(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1]).contiguous()
+
+    @torch.library.custom_op("torchkiln::int8_gemv", mutates_args=())
+    def int8_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        x2 = rows_of(x)
+        n, k = weight.shape
+        out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+        m = x2.shape[0]
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        if m == 1:
+            _int8_one[grid](x2, weight, scales, out, n, k)
+        else:
+            _int8_few[grid](x2, weight, scales, out, m, n, k, _pow2(m))
+        return out.view(*x.shape[:-1], n)
+
+    @int8_gemv.register_fake
+    def _(x, weight, scales):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.custom_op("torchkiln::int4_gemv", mutates_args=())
+    def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  group: int) -> torch.Tensor:
+        x2 = rows_of(x)
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+        m = x2.shape[0]
+        _int4[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, packed, scale, zero, out, m, n, k, group,
+                                                                _pow2(m))
+        return out.view(*x.shape[:-1], n)
+
+    @int4_gemv.register_fake
+    def _(x, packed, scale, zero, group):
+        return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+    class Ops:
+        pass
+
+    ops = Ops()
+    ops.int8_gemv, ops.int4_gemv = int8_gemv, int4_gemv
+    ops.kernels = (_int8_one, _int8_few, _int4)
+    return ops
