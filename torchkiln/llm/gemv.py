@@ -14,9 +14,10 @@ The kernels stream the weight once, in wide row-major tiles, and dequantize in r
   contiguous slices of x). Per group the kernel sums ``q * x`` and applies scale and zero once.
 
 All rows of x (at most MAX_ROWS: decode batches) go through one program per weight tile, so
-the weight is read once; wider inputs (prefill) take the matmul expression instead. Registered as custom ops (``torchkiln::``), so
-torch.compile and CUDA graphs see one opaque call; the launch configuration is tuned per
-weight shape on first use, which ``warm()`` does before any graph is captured.
+the weight is read once; wider inputs (prefill) take the matmul expression instead. Registered
+as custom ops (``torchkiln::``), so torch.compile and CUDA graphs see one opaque call; the launch
+configuration is tuned per weight shape on first use, which ``warm()`` does before any graph is
+captured.
 """
 
 import functools
@@ -38,15 +39,15 @@ def wanted(weight: torch.Tensor) -> bool:
     once, when the layer is built: the forward then only reads tensor shapes, which the
     compiler can trace (a fullgraph compile rejects the import machinery behind available())."""
     if weight.is_cuda and available():
-        _ops()
+        _register()
         return True
     return False
 
 
 def usable(x: torch.Tensor, k: int) -> bool:
-    """Does a call with input ``x`` (..., k) take a kernel (at trace time, shapes are static)?"""
-    rows = x.numel() // k if k else 0
-    return x.is_cuda and 0 < rows <= MAX_ROWS and k % 64 == 0
+    """Does a call with input ``x`` (..., k) take a kernel (at trace time, shapes are static)? Widths
+    in multiples of 64 keep every weight row 16-byte aligned for the kernels' vector loads."""
+    return x.is_cuda and 0 < x.numel() // k <= MAX_ROWS and k % 64 == 0
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -72,8 +73,8 @@ def _pow2(m: int) -> int:
 
 
 @functools.cache
-def _ops():
-    """Build the Triton kernels and register the ops on first use (no import-time work)."""
+def _register() -> None:
+    """Build the Triton kernels and register the ops, once, on first use (no import-time work)."""
     import triton
     import triton.language as tl
 
@@ -91,7 +92,8 @@ def _ops():
     @triton.jit
     def _int8_one(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One row of x: a 2-D accumulator, reduced once at the end. On the H200 this form ran
-        # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row.
+        # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row
+        # (two runs of benchmarks/llm_gemv.py, before the bit trick; RESULTS.md).
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         keep = rn < N
@@ -209,11 +211,3 @@ def _ops():
     @int4_gemv.register_fake
     def _(x, packed, scale, zero, group):
         return x.new_empty(*x.shape[:-1], packed.shape[0])
-
-    class Ops:
-        pass
-
-    ops = Ops()
-    ops.int8_gemv, ops.int4_gemv = int8_gemv, int4_gemv
-    ops.kernels = (_int8_one, _int8_few, _int4)
-    return ops

@@ -20,8 +20,8 @@ from . import gemv
 
 # int4 kernel: "auto" is torchao's tinygemm on CUDA where torchao is installed, else Int4Linear
 # (the Triton GEMV for CUDA decode, the expression elsewhere). On the H200, bs1 GEMVs of
-# Llama-3-8B's shapes: tinygemm 1.43-1.74x bf16, the Triton int4 GEMV 1.08-1.39x
-# (benchmarks/RESULTS.md, "Decode GEMVs"); the expression alone decoded at 66 tok/s.
+# Llama-3-8B's shapes: tinygemm 1.44-1.81x bf16, the Triton int4 GEMV 1.10-1.44x
+# (benchmarks/RESULTS.md, "Triton int8/int4 decode GEMVs"); the expression alone decoded at 66 tok/s.
 INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
@@ -71,12 +71,12 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and gemv.usable(x, self.in_features):
             out = gemv.int4_linear(x, self.packed, self.scale, self.zero, self.group)
-            return out + self.bias if self.bias is not None else out
-        n, k = self.packed.shape[0], 2 * self.packed.shape[1]
-        p = self.packed.view(n, k // self.group, self.group // 2)
-        q = torch.stack((p & 0xF, p >> 4), dim=2).view(n, -1, self.group)
-        w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
-        out = F.linear(x, w)
+        else:
+            n, k = self.packed.shape[0], 2 * self.packed.shape[1]
+            p = self.packed.view(n, k // self.group, self.group // 2)
+            q = torch.stack((p & 0xF, p >> 4), dim=2).view(n, -1, self.group)
+            w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+            out = F.linear(x, w)
         return out + self.bias if self.bias is not None else out
 
 
@@ -86,19 +86,33 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
     how many. Without the kernels the head stays floating point: dequantized inside the expression,
     the compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the
     int8 step) on the H200 profile."""
-    kernels = device.type == "cuda" and gemv.available()
     impl = INT4_IMPL
     if impl == "auto":
         impl = "torchao" if device.type == "cuda" and importlib.util.find_spec("torchao") else "int4linear"
-    done = 0
     if quant == "int4" and impl == "torchao":
-        from ..quantization.config import QuantConfig
-        from ..quantization.schemes import torchao, torchao_config
+        done = _torchao_int4(decoder.layers, device)
+    else:
+        done = _replace(decoder.layers, quant)
+    if gemv.wanted(decoder.head.weight):
+        decoder.head = Int8Linear(decoder.head)
+        gemv.warm(decoder, decoder.norm.weight.dtype)
+        done += 1
+    return done
 
-        config = torchao_config(QuantConfig("int4-weight-only"), device)
-        done = sum(isinstance(m, nn.Linear) for m in decoder.layers.modules())
-        torchao().quantize_(decoder.layers, config, filter_fn=lambda m, name: isinstance(m, nn.Linear))
-    for m in list(decoder.layers.modules()) if done == 0 else ():
+
+def _torchao_int4(layers: nn.Module, device: torch.device) -> int:
+    from ..quantization.config import QuantConfig
+    from ..quantization.schemes import torchao, torchao_config
+
+    done = sum(isinstance(m, nn.Linear) for m in layers.modules())
+    torchao().quantize_(layers, torchao_config(QuantConfig("int4-weight-only"), device),
+                        filter_fn=lambda m, name: isinstance(m, nn.Linear))
+    return done
+
+
+def _replace(layers: nn.Module, quant: str) -> int:
+    done = 0
+    for m in list(layers.modules()):
         for name, child in list(m.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
@@ -110,8 +124,4 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
                     continue  # counted out: the report shows fewer quantized layers
                 setattr(m, name, Int4Linear(child, group))
             done += 1
-    if kernels:
-        decoder.head = Int8Linear(decoder.head)
-        done += 1
-        gemv.warm(decoder, decoder.norm.weight.dtype)
     return done
