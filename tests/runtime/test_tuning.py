@@ -127,7 +127,10 @@ def _play_tuner(tmp_path, text, extra=None, rounds=2):
         (folder / f"go_{r}").touch()
         until(lambda r=r: all((folder / f"report_{r}_{i}.json").exists() for i in (0, 1)))
         reports.append([json.loads((folder / f"report_{r}_{i}.json").read_text()) for i in (0, 1)])
-    (folder / "stop").touch()
+    if not any(p.poll() is not None for p in procs):
+        # As the tuner: "stop" only when every instance is alive. After a failure the failing instance's
+        # own abort mark must release the others; a "stop" here raced it (instance 0 read "stop", exit 0).
+        (folder / "stop").touch()
     codes = [p.wait(timeout=60) for p in procs]
     return folder, codes, reports, ready_at, [p.stdout.read() for p in procs]
 
