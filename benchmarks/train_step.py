@@ -9,6 +9,11 @@ Peers, each on its own copy of the model:
   compile+autocast    torch.compile(model), autocast in the loop, AdamW(fused=True)
   compile fp32        the same without autocast (the stock choice on a CPU without native bf16)
   torchkiln           tk.optimize(model, optimizer=AdamW(...), dtype=...), the loop unchanged
+  torchkiln split     the same with split_master_weight_for_bf16=True (bf16 weights, exact fp32 masters)
+
+On CUDA, --memory reports each peer's peak allocated memory over what was allocated before it was
+built: while building (tk.optimize's verification and timing included) and the first step, and over
+two later steps (the model, gradients, optimizer state and activations of the loop).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=float, default=30.0, help="seconds of interleaved timing")
     ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
+    ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory, run alone first")
     a = ap.parse_args()
     dev = torch.device(a.device)
     low = getattr(torch, a.dtype)
@@ -79,23 +85,42 @@ def main():
         return make_step(model, opt, batch, dev.type, low, autocast)
 
     t0 = time.perf_counter()
+    makers = {}
     if "eager fp32" in want:
-        m = copy.deepcopy(base)
-        steps["eager fp32"] = stepper(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
+        makers["eager fp32"] = lambda m: stepper(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
     if "compile+autocast" in want:
-        m = copy.deepcopy(base)
-        steps[f"compile+autocast {a.dtype} +fused AdamW"] = stepper(
+        makers[f"compile+autocast {a.dtype} +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
     if "compile fp32" in want:  # the stock peer where bf16 is not native (emulated bf16 is far slower)
-        m = copy.deepcopy(base)
-        steps["compile fp32 +fused AdamW"] = stepper(
+        makers["compile fp32 +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), False)
-    if "torchkiln" in want:
-        m = copy.deepcopy(base)
-        fast, opt = tk.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), dtype=low,
-                                sample_input=batch)
-        steps["torchkiln"] = stepper(fast, opt, False)
-        notes["torchkiln"] = str(fast.kiln_report)
+    for name, split in (("torchkiln", False), ("torchkiln split", True)):
+        if name in want:
+            def make(m, name=name, split=split):
+                fast, opt = tk.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), dtype=low,
+                                        sample_input=batch, split_master_weight_for_bf16=split)
+                notes[name] = str(fast.kiln_report)
+                return stepper(fast, opt, False)
+            makers[name] = make
+    memory = {}  # name -> (peak during optimize and the first step, peak over two later steps), GiB
+    for name, make in makers.items():
+        cuda = a.memory and dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        steps[name] = make(copy.deepcopy(base))
+        if cuda:  # measured while the peers built before stay resident: deltas over what was there
+            steps[name]()
+            torch.cuda.synchronize()
+            first = torch.cuda.max_memory_allocated() - before
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(2):
+                steps[name]()
+            torch.cuda.synchronize()
+            memory[name] = (first / 2**30, (torch.cuda.max_memory_allocated() - before) / 2**30)
+            print(f"  {name}: peak {memory[name][0]:.2f} GiB building, {memory[name][1]:.2f} GiB training",
+                  flush=True)
     for name, s in steps.items():  # compile and warm up outside the clock
         t = time.perf_counter()
         for _ in range(2):
@@ -114,13 +139,15 @@ def main():
              f"({torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, torch {torch.__version__})",
              f"\nCommand: `python {' '.join(sys.argv)}` ({n_params / 1e6:.0f}M parameters; {len(times['torchkiln'] if 'torchkiln' in times else next(iter(times.values())))} "  # noqa: E501
              f"interleaved rounds; measured {peak_dtype} GEMM peak {peak / 1e12:.1f} TFLOP/s)\n",
-             "| peer | ms/step | tokens/s | MFU (vs measured GEMM peak) | x eager fp32 |", "|---|---|---|---|---|"]
+             "| peer | ms/step | tokens/s | MFU (vs measured GEMM peak) | x eager fp32 | peak GiB building / training |",
+             "|---|---|---|---|---|---|"]
     ref = med.get("eager fp32")
     for n, m in sorted(med.items(), key=lambda kv: kv[1]):
         lines.append(f"| {n} | {1e3 * m:.1f} | {tokens / m:,.0f} | {flops / m / peak:.1%} | "
-                     + (f"{ref / m:.2f}x |" if ref else "- |"))
+                     + (f"{ref / m:.2f}x |" if ref else "- |")
+                     + (f" {memory[n][0]:.2f} / {memory[n][1]:.2f} |" if n in memory else " - |"))
     if "torchkiln" in med:
-        peers = {n: m for n, m in med.items() if n != "torchkiln"}
+        peers = {n: m for n, m in med.items() if not n.startswith("torchkiln")}
         if peers:
             best = min(peers, key=peers.get)
             lines.append(f"\ntorchkiln vs best stock peer ({best}): {peers[best] / med['torchkiln']:.2f}x")

@@ -162,3 +162,29 @@ def test_training_pair_on_cuda_fused_compiled_and_matching_stock():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.dtype == torch.float32
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+
+
+def test_split_master_weights_on_cuda_follow_fused_adamw_exactly():
+    # Reference: torch's fused AdamW on float32 copies fed the split model's own (bf16) gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 10)).cuda().train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    fast, opt = tk.optimize(model, optimizer=opt, dtype=torch.bfloat16, sample_input=x, time_budget=0.5,
+                            split_master_weight_for_bf16=True)
+    assert fast.kiln_recipe.master_weights == "split" and fast.kiln_report.guard["ok"]
+    assert model[0].weight.dtype == torch.bfloat16 and model[0].weight.is_cuda
+    for _ in range(5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fast(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            q.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    sd = fast.state_dict()
+    for (k, v), q in zip(sd.items(), ref.parameters(), strict=True):
+        assert v.dtype == torch.float32, k
+        torch.testing.assert_close(v, q.detach(), rtol=0, atol=0)

@@ -38,7 +38,7 @@ def test_knob_none_changes_nothing(hw, device):
 
 
 @CPU_GPU
-def test_intel_only_knobs_do_not_change_the_plan(hw, device):
+def test_intel_only_and_training_knobs_do_not_change_the_inference_plan(hw, device):
     base = plan(mlp(), hw, device, BF16, "O2", {}, batch=4)
     knobs = {"optimize_lstm": True, "split_master_weight_for_bf16": True, "fuse_update_step": True}
     assert plan(mlp(), hw, device, BF16, "O2", knobs, batch=4) == base

@@ -313,3 +313,12 @@ def test_gradients_that_are_rounding_noise_do_not_fail_the_guard():
     got = [torch.ones(4), torch.ones(100) * 1.01, torch.full((3,), -1e-9)]
     errs = _errors(got, ref, 1, _grad_scale(ref[1:]))
     assert errs[1].rel > 5e-3 and errs[2].rel < 1e-4
+
+
+def test_gradient_noise_floor_is_one_rounding_unit_of_the_median_norm_in_low_precision():
+    from torchkiln.training.module import _grad_scale
+
+    grads = [torch.full((4,), 1.0), torch.full((9,), 2.0), torch.full((16,), 0.5)]  # norms 2, 6, 2
+    assert _grad_scale(grads) == pytest.approx(1e-3 * 2.0)
+    assert _grad_scale(grads, torch.bfloat16) == pytest.approx(2.0 ** -7 * 2.0)
+    assert _grad_scale(grads, torch.float16) == pytest.approx(1e-3 * 2.0)  # fp16's eps (2^-10) is below 1e-3

@@ -1,7 +1,7 @@
 """Training: ``model, optimizer = tk.optimize(model, optimizer=opt, dtype=...)``.
 
 Plan (recipe.py: precision per device), optimizer (fuse.py: torch's fused step,
-same object), candidates (module.py: eager vs compiled forward+backward, verified
+same object; split.py: bf16 weights with exact fp32 masters, on request), candidates (module.py: eager vs compiled forward+backward, verified
 on one step's outputs and gradients, timed, the faster served). The returned model's
 parameters and state_dict are the original's, so checkpoints load both ways and
 the optimizer needs no change.
@@ -9,6 +9,7 @@ the optimizer needs no change.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 
@@ -21,7 +22,8 @@ from ..hardware import detect
 from ..modelutil import model_device, parse_dtype
 from ..report import Report
 from . import fuse as _fuse
-from .module import AutocastStep, TrainModule
+from . import split as _split
+from .module import AutocastStep, TrainModule, _world
 from .recipe import TrainRecipe, plan_training
 
 __all__ = ["optimize_training", "TrainModule", "TrainRecipe", "AutocastStep"]
@@ -43,7 +45,15 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     hw = detect()
     dev = str(here) if here.type == "cpu" or here.index is not None else f"{here.type}:0"
     kind, why = _fuse.choose(optimizer, level)
-    recipe = plan_training(hw, dev, compute, level, knobs, (kind, why))  # may raise: nothing changed yet
+    recipe = plan_training(hw, dev, compute, level, knobs, (kind, why), distributed=_world() > 1)  # may raise
+    split = []
+    if recipe.master_weights == "split":
+        why_not = _split.why_not(optimizer)
+        split = [] if why_not else _split.split_params(model, optimizer)
+        if not split:
+            why_not = why_not or "no float32 weight (2+ dims) on one device to split"
+            recipe = dataclasses.replace(recipe, master_weights="fp32",
+                                         notes=(*recipe.notes, f"split_master_weight_for_bf16: not used: {why_not}"))
     if recipe.dtype != str(compute).removeprefix("torch."):
         warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
     if kind == "own step":
@@ -51,9 +61,14 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     if kind == "fused":
         _fuse.fuse(optimizer)
     _DONE.add(optimizer)
-    report = Report(recipe=recipe.to_dict(),
-                    applied=[f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"])
-    tm = TrainModule(model, recipe, report, verify, float(time_budget))
+    applied = [f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"]
+    splitter = None
+    if split:
+        splitter = _split.SplitWeights(split, optimizer)
+        applied.append(f"split master weights: {len(split)} weights, "
+                       f"{sum(p.numel() for p in split) * 2 / 2**20:.1f} MiB of bf16 + the same of trails")
+    report = Report(recipe=recipe.to_dict(), applied=applied)
+    tm = TrainModule(model, recipe, report, verify, float(time_budget), splitter)
     if sample_input is not None and recipe.compile:
         args, kwargs = inputs.to(inputs.normalize(sample_input), here)
         tm._setup(args, kwargs)

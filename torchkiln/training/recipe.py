@@ -3,9 +3,13 @@ frozen, printable, JSON-serialisable data (the inference Recipe's sibling).
 
 Precision rule (documented in docs/training.md):
 - bf16 where the device runs it natively: autocast, parameters and optimizer
-  state stay fp32. (Split bf16 weights with fp32 masters halve parameter memory;
-  not built yet: autocast is what stock PyTorch recommends and keeps
-  ``state_dict`` fp32 for free.)
+  state stay fp32. Split master weights (bf16 weights plus 16-bit trails that
+  rebuild the exact fp32 masters, training/split.py) on request:
+  ``split_master_weight_for_bf16=True``. They save 4 bytes per weight during
+  forward and backward but add a rebuild and a split to every step, so they are
+  not the default (measured: benchmarks/RESULTS.md, "Split master weights").
+  Not under a process group: DDP/FSDP build their buckets and shards from the
+  parameters' dtype before or after the call.
 - bf16 requested on a CPU without native bf16: trained in fp32 with a warning
   (emulated bf16 is slower than fp32 there), as inference does.
 - fp16: autocast; gradients need loss scaling: ``tk.amp.GradScaler`` in the loop.
@@ -33,6 +37,7 @@ class TrainRecipe:
     loss_scaling: bool = False  # fp16: gradients need a GradScaler
     compile: bool = True  # a compiled forward+backward is a candidate (timed against eager)
     optimizer: str = "unchanged"  # fused (torch's fused=True) | torchkiln | own step | unchanged
+    master_weights: str = "fp32"  # fp32 (the parameters themselves) | split (bf16 + 16-bit trail)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def to_dict(self) -> dict:
@@ -45,12 +50,13 @@ class TrainRecipe:
         lines = [f"TrainRecipe for {self.device} at {self.level}:",
                  f"  precision    {self.dtype} ({self.precision})" + (", loss scaling" if self.loss_scaling else ""),
                  f"  compile      {'forward+backward, timed against eager' if self.compile else 'off'}",
-                 f"  optimizer    {self.optimizer}"]
+                 f"  optimizer    {self.optimizer}",
+                 f"  masters      {'split: bf16 weights + 16-bit trails' if self.master_weights == 'split' else 'fp32 parameters'}"]
         return "\n".join(lines + [f"  why: {n}" for n in self.notes])
 
 
 def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, knobs: dict,
-                  optimizer_note: tuple[str, str]) -> TrainRecipe:
+                  optimizer_note: tuple[str, str], distributed: bool = False) -> TrainRecipe:
     notes: list[str] = []
     if dtype == torch.float16 and torch.device(device).type == "cpu" and not hw.cpu.fp16_native:
         alt = "dtype=torch.bfloat16" if hw.cpu.bf16_native else "dtype=None (float32)"
@@ -60,7 +66,8 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
     if why:
         notes.append(why)
     low = chosen != torch.float32
-    if low:
+    split = _split_choice(knobs.get("split_master_weight_for_bf16"), chosen, distributed, notes)
+    if low and not split:
         notes.append(f"{dtype_name(chosen)} autocast: parameters, gradients and optimizer state stay float32")
     if chosen == torch.float16:
         notes.append("float16: use tk.amp.GradScaler in the loop (loss scaling), or gradients underflow")
@@ -72,4 +79,22 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
     kind, why = optimizer_note
     notes.append(f"optimizer: {why}")
     return TrainRecipe(device=device, level=level, dtype=dtype_name(chosen), precision="autocast" if low else "fp32",
-                       loss_scaling=chosen == torch.float16, compile=compile_, optimizer=kind, notes=tuple(notes))
+                       loss_scaling=chosen == torch.float16, compile=compile_, optimizer=kind,
+                       master_weights="split" if split else "fp32", notes=tuple(notes))
+
+
+def _split_choice(asked, chosen: torch.dtype, distributed: bool, notes: list[str]) -> bool:
+    if asked not in (None, True, False):
+        raise ValueError(f"split_master_weight_for_bf16={asked!r} must be True, False or None (torchkiln decides)")
+    if not asked:
+        return False
+    if chosen != torch.bfloat16:
+        notes.append(f"split_master_weight_for_bf16: not used, training runs in {dtype_name(chosen)}, not bfloat16")
+        return False
+    if distributed:
+        notes.append("split_master_weight_for_bf16: not used under a process group (DDP/FSDP bucket and shard "
+                     "the parameters by dtype); autocast with float32 parameters instead")
+        return False
+    notes.append("bfloat16 weights with 16-bit trails (split master weights, asked for): the optimizer steps "
+                 "the exact float32 masters; other parameters and optimizer state stay float32")
+    return True
