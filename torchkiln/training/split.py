@@ -24,10 +24,14 @@ parameter where this costs 4.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import torch
 from torch import nn
+
+from .._log import warn_once
+from ..modelutil import first_line
 
 CHUNK = 1 << 26  # elements per master chunk: 256 MB of float32 at a time
 
@@ -55,7 +59,7 @@ def _shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(like.shape, like.stride(), flat.storage_offset())
 
 
-def _split_into(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
+def _split_eager(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
     """float32 ``master`` -> bf16 ``top`` and int16 ``trail``, exactly. On the int32 bit patterns:
     top = round(master / 2^16) with ties up in magnitude (the sign bit rides along: the pattern of a
     negative float is -2^31 + magnitude), trail = master - top * 2^16, which lies in [-2^15, 2^15)."""
@@ -65,8 +69,38 @@ def _split_into(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) ->
     trail.copy_(bits - (hi << 16))
 
 
-def _combine(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
+def _combine_eager(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
     return ((top.view(torch.int16).to(torch.int32) << 16) + trail.to(torch.int32)).view(torch.float32)
+
+
+@functools.cache
+def _kernels() -> dict:
+    # Eager, each of the two is five int32 tensor ops: about 60 bytes of memory traffic per weight and
+    # step, 13% of a GPT-2-medium step on the H200 (benchmarks/RESULTS.md). Compiled, each is one pass.
+    return {"split": torch.compile(_split_eager, dynamic=True), "combine": torch.compile(_combine_eager, dynamic=True)}
+
+
+_EAGER = {"split": _split_eager, "combine": _combine_eager}
+_broken: set[str] = set()  # compiled forms that failed here: eager from then on, in this process
+
+
+def _run(name: str, *args):
+    if name not in _broken:
+        try:
+            return _kernels()[name](*args)
+        except Exception as e:  # a compiler missing or failing: the eager form computes the same bits
+            _broken.add(name)
+            warn_once(f"split-compile:{name}", f"torchkiln: the compiled split-weight {name} failed "
+                      f"({type(e).__name__}: {first_line(e)}); it runs as plain tensor ops")
+    return _EAGER[name](*args)
+
+
+def _split_into(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
+    _run("split", master, top, trail)
+
+
+def _combine(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
+    return _run("combine", top, trail)
 
 
 class SplitWeights:
@@ -87,7 +121,7 @@ class SplitWeights:
                 _split_into(_flat(p.detach()), self.top[o:o + k], self.trail[o:o + k])
                 self.spans.append((o, k))
                 o += k
-        self.active = False
+        self._flat = None  # the float32 masters while to_masters() holds them
         self._halves()
         self.active = True
         self.chunks = self._chunks()
@@ -126,30 +160,35 @@ class SplitWeights:
         o, k = self.spans[i]
         return _shaped(_combine(self.top[o:o + k], self.trail[o:o + k]), self.params[i])
 
-    def _masters(self, idx: list[int]) -> None:
-        o0 = self.spans[idx[0]][0]
-        o1 = self.spans[idx[-1]][0] + self.spans[idx[-1]][1]
+    def _range(self, idx: list[int]) -> tuple[int, int]:
+        return self.spans[idx[0]][0], self.spans[idx[-1]][0] + self.spans[idx[-1]][1]
+
+    def _masters(self, idx: list[int]) -> torch.Tensor:
+        """Parameters ``idx`` (consecutive) become views into one new float32 buffer of their masters."""
+        o0, o1 = self._range(idx)
         flat = _combine(self.top[o0:o1], self.trail[o0:o1])
         for i in idx:
             o, k = self.spans[i]
             self.params[i].data = _shaped(flat[o - o0:o - o0 + k], self.params[i])
+        return flat
 
-    def _resplit(self, idx: list[int]) -> None:
+    def _resplit(self, idx: list[int], flat: torch.Tensor) -> None:
+        """``flat`` (what ``_masters`` returned, updated in place) split back into the halves, in one pass."""
+        o0, o1 = self._range(idx)
         with torch.no_grad():
-            for i in idx:
-                o, k = self.spans[i]
-                _split_into(_flat(self.params[i].data), self.top[o:o + k], self.trail[o:o + k])
+            _split_into(flat, self.top[o0:o1], self.trail[o0:o1])
         self._halves(idx)
 
     def to_masters(self) -> None:
         """Every split parameter back to float32 (its exact master) until ``to_halves``."""
         if self.active:
-            self._masters(list(range(len(self.params))))
+            self._flat = self._masters(list(range(len(self.params))))
             self.active = False
 
     def to_halves(self) -> None:
         if not self.active:
-            self._resplit(list(range(len(self.params))))
+            self._resplit(list(range(len(self.params))), self._flat)
+            self._flat = None
             self.active = True
 
     @contextlib.contextmanager
@@ -184,7 +223,7 @@ class SplitWeights:
                 mine = {id(self.params[i]) for i in idx}
                 keep = [[p for p in ps if id(p) in mine or (n == 0 and id(p) not in split)] for ps in full]
                 grads = [self.params[i].grad for i in idx]
-                self._masters(idx)
+                flat = self._masters(idx)
                 for i, g in zip(idx, grads, strict=True):
                     if g is not None:  # torch's steps want gradients in the parameter's dtype
                         self.params[i].grad = g.float()
@@ -197,7 +236,7 @@ class SplitWeights:
                     self.optimizer.param_groups = groups
                     for g, ps in zip(groups, full, strict=True):
                         g["params"] = ps
-                    self._resplit(idx)
+                    self._resplit(idx, flat)
                     for i, g in zip(idx, grads, strict=True):
                         self.params[i].grad = g
         finally:
