@@ -38,9 +38,9 @@ def test_int8_schemes(setup):
     wo = cosine(setup, "int8-weight-only")
     assert dyn >= 0.99, dyn
     assert static >= 0.98, static
-    # The issue asks smoothquant >= static. Alone (alpha 0.5) it reaches 0.9918 vs static's 0.9937
-    # here; with the defaults (auto_fallback) 0.9997 vs 0.9957 (benchmarks/RESULTS.md).
-    assert smooth >= 0.99, (smooth, static)
+    # The issue asks smoothquant >= static. With alpha chosen per layer (the default) it reached 0.9983
+    # against static's 0.9937 here; with the paper's one alpha 0.5 it was 0.9918 (benchmarks/RESULTS.md).
+    assert smooth >= static, (smooth, static)
     assert wo >= 0.995, wo
 
 

@@ -43,6 +43,7 @@ class QuantInfo:
     sample: inputs.Args | None = None  # the export example (pt2e)
     calibration: dict = field(default_factory=dict)  # pt2e observer state, JSON-ready
     smoothing: dict = field(default_factory=dict)  # SmoothQuant: module -> per-channel absmax (lists)
+    alphas: dict = field(default_factory=dict)  # SmoothQuant alpha="auto": module -> alpha (None: not smoothed)
     fingerprint: dict = field(default_factory=dict)  # the float model's state_dict names -> shapes
 
 
@@ -85,6 +86,7 @@ class Prepared(nn.Module):
         object.__setattr__(self, "sample", sample)
         object.__setattr__(self, "seen", [])
         object.__setattr__(self, "smoothing", {})
+        object.__setattr__(self, "alphas", {})  # alpha="auto": module -> chosen alpha (None: not smoothed)
         self.observed = None
         if backend == "pt2e":
             if sample is None:
@@ -96,12 +98,17 @@ class Prepared(nn.Module):
         with the float model, then smooth ``model_copy``'s linears."""
         if self.config.scheme != "int8-smoothquant":
             return
+        auto = self.config.alpha == "auto"
         if not self.smoothing:
             names = [n for n in fallback.targets(self.float_model, self.config, "torchao") if n not in self.config.keep]
-            amax = smoothquant.activation_absmax(self.float_model, data or [self.sample], names, self.device)
+            amax, rows = smoothquant.activation_stats(self.float_model, data or [self.sample], names, self.device,
+                                                      smoothquant.ROWS if auto else 0)
             self.smoothing.update({n: v.tolist() for n, v in amax.items()})
+            if auto:
+                mods = dict(self.float_model.named_modules())
+                self.alphas.update({n: smoothquant.choose_alpha(mods[n], rows[n], amax[n]) for n in amax})
         amax = {n: torch.tensor(v) for n, v in self.smoothing.items() if n not in self.config.keep}
-        smoothquant.smooth(model_copy, amax, self.config.alpha)
+        smoothquant.smooth(model_copy, amax, self.alphas if auto else self.config.alpha)
 
     def forward(self, *args, **kwargs):
         if len(self.seen) < RECORDED:
@@ -198,6 +205,7 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
 def _resmoothed(prepared: Prepared, data) -> Prepared:
     # SmoothQuant's maxima come from all calibration data, not the export sample alone.
     prepared.smoothing.clear()
+    prepared.alphas.clear()
     prepared.smoothing_for(copy.deepcopy(prepared.float_model).eval(), data)
     object.__setattr__(prepared, "seen", [])
     prepared.observed = _observed(prepared.float_model, prepared.config, prepared.sample, prepared.device,
@@ -235,6 +243,7 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
         info.calibration = pt2e_flow.observer_state(observed)
         info.sample = _detach(prepared.sample)
         info.smoothing = dict(prepared.smoothing)
+        info.alphas = dict(prepared.alphas)
         qmodel = QuantizedGraph(pt2e_flow.convert(observed), info)
     else:
         qmodel = copy.deepcopy(model).eval()

@@ -28,7 +28,9 @@ class QuantConfig:
     scheme: str
     backend: str = "auto"  # auto | torchao | pt2e (auto: schemes.backend_for(scheme, device))
     group_size: int = 128  # int4-weight-only: weights per scale
-    alpha: float = 0.5  # int8-smoothquant: migration strength (0: none, 1: all onto the weights)
+    # int8-smoothquant: migration strength (0: none, 1: all onto the weights), or "auto": chosen per linear
+    # from smoothquant.GRID by the int8 output error on calibration rows (smoothquant.choose_alpha)
+    alpha: float | str = "auto"
     min_sqnr: float | None = None  # None: DEFAULT_MIN_SQNR[scheme]
     auto_fallback: bool = True  # keep the layers that break min_sqnr in floating point
     keep: tuple[str, ...] = ()  # module names kept in floating point (the user's + auto_fallback's)
@@ -42,8 +44,9 @@ class QuantConfig:
         if self.scheme == "int4-weight-only" and self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not supported for int4-weight-only; use one of "
                              f"{GROUP_SIZES}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha={self.alpha!r} must be between 0 and 1 (0.5 is SmoothQuant's default)")
+        if self.alpha != "auto" and not (isinstance(self.alpha, (int, float)) and 0.0 <= self.alpha <= 1.0):
+            raise ValueError(f"alpha={self.alpha!r} must be 'auto' (chosen per layer, the default) or a number "
+                             "between 0 and 1 (0.5 is the SmoothQuant paper's)")
         if not 0.0 <= self.max_keep_fraction <= 1.0:
             raise ValueError(f"max_keep_fraction={self.max_keep_fraction!r} must be between 0 and 1")
         object.__setattr__(self, "keep", tuple(self.keep))

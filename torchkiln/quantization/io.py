@@ -62,6 +62,7 @@ def save(model: nn.Module, path, float_model: nn.Module | None = None, overwrite
         tensors = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
     manifest = {"config": qi.config.to_dict(), "backend": qi.backend, "report": qi.report.to_dict(),
                 "fingerprint": qi.fingerprint, "calibration": qi.calibration, "smoothing": qi.smoothing,
+                "alphas": qi.alphas,
                 "torch": torch.__version__}
     torch.save({"format": FORMAT, "manifest": json.dumps(manifest), "tensors": tensors}, path)
 
@@ -89,7 +90,8 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
     q = copy.deepcopy(model).eval()
     report = _report(manifest["report"])
     qi = QuantInfo(config, manifest["backend"], report, calibration=manifest.get("calibration") or {},
-                   smoothing=manifest.get("smoothing") or {}, fingerprint=expected)
+                   smoothing=manifest.get("smoothing") or {}, alphas=manifest.get("alphas") or {},
+                   fingerprint=expected)
     if qi.backend == "pt2e":
         q.load_state_dict(weights, strict=True)
         args = tuple(v for k, v in sorted(tensors.items()) if k.startswith("sample.args."))
@@ -99,7 +101,7 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
 
         def smooth(m):
             if config.scheme == "int8-smoothquant":
-                smoothquant.smooth(m, amax, config.alpha)
+                smoothquant.smooth(m, amax, qi.alphas if config.alpha == "auto" else config.alpha)
 
         observed = _observed(q, config, qi.sample, dev, smooth)
         pt2e_flow.load_observer_state(observed, qi.calibration)

@@ -29,27 +29,79 @@ class SmoothedLinear(nn.Module):
         return self.linear(x * self.inv_scale)
 
 
-def activation_absmax(model: nn.Module, data: list[inputs.Args], names: list[str], device) -> dict[str, torch.Tensor]:
-    """Per input channel max |x| of each named linear over the calibration batches."""
+ROWS = 512  # activation rows kept per linear for the alpha search
+GRID = (None, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # None: this linear is not smoothed
+
+
+def activation_stats(model: nn.Module, data: list[inputs.Args], names: list[str], device, rows: int = 0):
+    """Per input channel max |x| of each named linear over the calibration batches, and (``rows`` > 0)
+    the first ``rows`` activation rows each one saw."""
     amax: dict[str, torch.Tensor] = {}
+    kept: dict[str, list[torch.Tensor]] = {}
 
     def record(name, x):
-        cur = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+        flat = x.reshape(-1, x.shape[-1]).float()
+        cur = flat.abs().amax(0)
         amax[name] = torch.maximum(amax[name], cur) if name in amax else cur
+        have = sum(len(t) for t in kept.get(name, []))
+        if have < rows:
+            kept.setdefault(name, []).append(flat[: rows - have].cpu())
 
     layer_inputs(model, names, data, device, record)
-    return amax
+    return amax, {n: torch.cat(ts) for n, ts in kept.items()}
 
 
-def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha: float) -> int:
-    """Replace each linear with its smoothed form, in place (``model`` is torchkiln's copy)."""
+def activation_absmax(model: nn.Module, data: list[inputs.Args], names: list[str], device) -> dict[str, torch.Tensor]:
+    return activation_stats(model, data, names, device)[0]
+
+
+def _scale(amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    w = weight.detach().abs().amax(0).float().clamp(min=1e-5)
+    return (amax.clamp(min=1e-5).pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
+
+
+def _fake_act(x: torch.Tensor) -> torch.Tensor:
+    """Per-tensor affine uint8, min/max range: the static flow's activation quantization."""
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = max(hi - lo, 1e-8) / 255
+    zp = round(-lo / scale)
+    return ((x / scale).round() + zp).clamp(0, 255).sub(zp).mul(scale)
+
+
+def _fake_weight(w: torch.Tensor) -> torch.Tensor:
+    """Per output channel symmetric int8: the static flow's weight quantization."""
+    scale = (w.abs().amax(1, keepdim=True) / 127.5).clamp(min=1e-12)
+    return (w / scale).round().clamp(-128, 127).mul(scale)
+
+
+def choose_alpha(linear: nn.Linear, x: torch.Tensor, amax: torch.Tensor, grid=GRID) -> float | None:
+    """The migration strength with the smallest output error of the int8 linear on the sampled
+    activations ``x``, None (not smoothed) included. SmoothQuant's one alpha for every layer (0.5)
+    is a compromise: on MiniLM it lost to plain static int8 (benchmarks/RESULTS.md); per layer the
+    best of the grid can only match or beat leaving the layer alone, on these rows."""
+    w = linear.weight.detach().float().cpu()
+    ref = x @ w.T
+    best, best_err = None, float("inf")
+    for alpha in grid:
+        s = torch.ones(w.shape[1]) if alpha is None else _scale(amax.cpu(), w, alpha)
+        y = _fake_act(x / s) @ _fake_weight(w * s).T
+        err = float((y - ref).pow(2).mean())
+        if err < best_err:
+            best, best_err = alpha, err
+    return best
+
+
+def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha) -> int:
+    """Replace each linear with its smoothed form, in place (``model`` is torchkiln's copy). ``alpha``:
+    one float for every linear, or a dict name -> float or None (None: left as it is)."""
     count = 0
     for name, a in amax.items():
+        al = alpha.get(name) if isinstance(alpha, dict) else alpha
+        if al is None:
+            continue
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         lin = getattr(owner, child)
-        w = lin.weight.detach().abs().amax(0).float().clamp(min=1e-5)
-        s = (a.clamp(min=1e-5).pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
-        setattr(owner, child, SmoothedLinear(lin, s.to(lin.weight.device)))
+        setattr(owner, child, SmoothedLinear(lin, _scale(a, lin.weight, al).to(lin.weight.device)))
         count += 1
     return count
