@@ -182,3 +182,18 @@ def test_a_model_that_fails_with_bf16_weights_trains_with_float32_ones(monkeypat
     nn.functional.cross_entropy(out, y).backward()
     opt.step()  # the optimizer's own step again, on float32 parameters
     assert "step" not in vars(opt)
+
+
+def test_a_bad_input_is_the_callers_error_and_the_split_stays(monkeypatch):
+    with_bf16(monkeypatch)
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                            split_master_weight_for_bf16=True, graph_mode=False)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        fast(torch.randn(4, 31))
+    assert fast.kiln_recipe.master_weights == "split" and not fast.kiln_report.fallbacks
+    assert model[0].weight.dtype == torch.bfloat16
+    x, y = data()
+    nn.functional.cross_entropy(fast(x), y).backward()
+    opt.step()
+    assert model[0].weight.dtype == torch.bfloat16 and fast.state_dict()["0.weight"].dtype == torch.float32

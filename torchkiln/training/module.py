@@ -154,15 +154,18 @@ class TrainModule(OriginalFace):
             return self._eager(*args, **kwargs)
 
     def _unsplit(self, error: Exception, args, kwargs):
-        """The model failed with bf16 weights (code that mixes dtypes outside autocast): float32
-        parameters from here on, if that works; the first error otherwise."""
+        """The model failed with bf16 weights: if it works with the float32 masters (code that mixes
+        dtypes outside autocast), float32 parameters from here on; if not, the error was not the split's
+        (a bad input, say): the split stays and the first error is raised."""
         reason = f"{type(error).__name__}: {first_line(error)}"
-        self._split.release()
-        object.__setattr__(self, "_split", None)
+        self._split.to_masters()
         try:
             out = self._eager(*args, **kwargs)
         except Exception:
+            self._split.to_halves()
             raise error from None
+        self._split.release()
+        object.__setattr__(self, "_split", None)
         self.kiln_report.fallbacks.append(Fallback("split master weights", "float32 parameters", reason))
         warn_once(f"train-split:{self._uid}", f"torchkiln: the model failed with bf16 split weights ({reason}); "
                   "its parameters are float32 again (autocast)")
