@@ -283,10 +283,17 @@ def test_hf_causal_lm_with_labels_passes_the_guard_in_bf16(monkeypatch):
     compiled = next(m for m in fast.kiln_report.candidates if m.kind == "torchkiln")
     assert compiled.status in ("served", "passed"), compiled.reason
     assert fast.kiln_report.guard["outputs"][0]["rel"] < 1e-2  # the loss itself
-    loss = fast(input_ids=ids, labels=ids).loss
-    loss.backward()
+    out = fast(input_ids=ids, labels=ids)
+    # The model's own loss is what the loop uses: float32, as transformers computes it; the logits stay
+    # as autocast made them (as under stock autocast), not cast back at the cost of a float32 copy.
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, stock.loss, rtol=2e-2, atol=0)
+    assert fast(ids).logits.dtype == torch.float32  # no loss of its own: outputs back in float32
+    out.loss.backward()
     opt.step()
-    assert torch.isfinite(loss)
+    assert torch.isfinite(out.loss)
 
 
 class ZeroGrad(nn.Module):
