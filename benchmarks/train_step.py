@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget", type=float, default=30.0, help="seconds of interleaved timing")
     ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
-    ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory, run alone first")
+    ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory while building and training (see above)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     low = getattr(torch, a.dtype)
@@ -103,8 +103,8 @@ def main():
                 return stepper(fast, opt, False)
             makers[name] = make
     memory = {}  # name -> (peak during optimize and the first step, peak over two later steps), GiB
+    cuda = a.memory and dev.type == "cuda"
     for name, make in makers.items():
-        cuda = a.memory and dev.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()

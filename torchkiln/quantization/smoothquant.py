@@ -51,10 +51,6 @@ def activation_stats(model: nn.Module, data: list[inputs.Args], names: list[str]
     return amax, {n: torch.cat(ts) for n, ts in kept.items()}
 
 
-def activation_absmax(model: nn.Module, data: list[inputs.Args], names: list[str], device) -> dict[str, torch.Tensor]:
-    return activation_stats(model, data, names, device)[0]
-
-
 def _scale(amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
     w = weight.detach().abs().amax(0).float().clamp(min=1e-5)
     return (amax.clamp(min=1e-5).pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)

@@ -1,8 +1,9 @@
 """Training: ``model, optimizer = tk.optimize(model, optimizer=opt, dtype=...)``.
 
 Plan (recipe.py: precision per device), optimizer (fuse.py: torch's fused step,
-same object; split.py: bf16 weights with exact fp32 masters, on request), candidates (module.py: eager vs compiled forward+backward, verified
-on one step's outputs and gradients, timed, the faster served). The returned model's
+same object; split.py: bf16 weights with exact fp32 masters, on request),
+candidates (module.py: eager vs compiled forward+backward, verified on one
+step's outputs and gradients, timed, the faster served). The returned model's
 parameters and state_dict are the original's, so checkpoints load both ways and
 the optimizer needs no change.
 """

@@ -148,10 +148,10 @@ class TrainModule(OriginalFace):
         except Exception as e:
             if is_oom(e):
                 raise
-            if fn is self._eager and self._split is not None:
-                return self._unsplit(e, args, kwargs)
             if fn is self._eager:
-                raise
+                if self._split is None:
+                    raise
+                return self._unsplit(e, args, kwargs)
             reason = f"{type(e).__name__}: {first_line(e)}"
             self.kiln_report.fallbacks.append(Fallback("compiled step", "eager", reason))
             warn_once(f"train-fb:{self._uid}", f"torchkiln: the compiled training step failed ({reason}); "
@@ -316,8 +316,8 @@ def _every_rank(ok: bool, device: torch.device) -> bool:
 
 
 def _grad_scale(grads: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> float:
-    """A floor for the gradients' relative error: 1e-3 of the median gradient norm in float32, one
-    rounding unit of it (eps) in bf16/fp16. Some gradients are exactly zero in exact arithmetic and
+    """A floor for the gradients' relative error: 1e-3 of the median gradient norm in float32; in
+    bf16/fp16 the larger of that and one rounding unit (eps) of it (bf16: 2^-7; fp16's 2^-10 is below). Some gradients are exactly zero in exact arithmetic and
     only rounding noise in practice (attention's key bias: a softmax ignores a constant added to all
     scores); relative to their own norm any two computations differ by ~100% (bert-base, fp32, 0.93).
     In bf16 that noise is eps-sized: bert-base's 12 key-bias gradients read 0.15 of a 1e-3 floor under

@@ -123,7 +123,6 @@ class SplitWeights:
                 o += k
         self._flat = None  # the float32 masters while to_masters() holds them
         self._halves()
-        self.active = True
         self.chunks = self._chunks()
         self._inner_step = optimizer.step
         self._own_step = "step" in vars(optimizer)  # a scheduler's wrapper, to restore on release
@@ -139,6 +138,11 @@ class SplitWeights:
                        optimizer.register_load_state_dict_post_hook(lambda opt: self.to_halves())]
 
     # ------------------------------------------------------------- layout
+    @property
+    def active(self) -> bool:
+        """The parameters hold their bf16 halves (not the float32 masters of ``to_masters``)."""
+        return self._flat is None
+
     def _chunks(self) -> list[list[int]]:
         out: list[list[int]] = [[]]
         size = 0
@@ -183,13 +187,11 @@ class SplitWeights:
         """Every split parameter back to float32 (its exact master) until ``to_halves``."""
         if self.active:
             self._flat = self._masters(list(range(len(self.params))))
-            self.active = False
 
     def to_halves(self) -> None:
         if not self.active:
             self._resplit(list(range(len(self.params))), self._flat)
             self._flat = None
-            self.active = True
 
     @contextlib.contextmanager
     def masters(self):
@@ -218,30 +220,26 @@ class SplitWeights:
         split = {id(p) for p in self.params}
         groups = self.optimizer.param_groups
         full = [g["params"] for g in groups]
-        try:
-            for n, idx in enumerate(self.chunks):
-                mine = {id(self.params[i]) for i in idx}
-                keep = [[p for p in ps if id(p) in mine or (n == 0 and id(p) not in split)] for ps in full]
-                grads = [self.params[i].grad for i in idx]
-                flat = self._masters(idx)
+        for n, idx in enumerate(self.chunks):
+            mine = {id(self.params[i]) for i in idx}
+            keep = [[p for p in ps if id(p) in mine or (n == 0 and id(p) not in split)] for ps in full]
+            grads = [self.params[i].grad for i in idx]
+            flat = self._masters(idx)
+            for i, g in zip(idx, grads, strict=True):
+                if g is not None:  # torch's steps want gradients in the parameter's dtype
+                    self.params[i].grad = g.float()
+            try:
+                for g, ps in zip(groups, keep, strict=True):
+                    g["params"] = ps
+                self.optimizer.param_groups = [g for g in groups if g["params"]]
+                self._inner_step(**kwargs)
+            finally:  # the groups, the halves and the bf16 gradients as they were, even if the step raised
+                self.optimizer.param_groups = groups
+                for g, ps in zip(groups, full, strict=True):
+                    g["params"] = ps
+                self._resplit(idx, flat)
                 for i, g in zip(idx, grads, strict=True):
-                    if g is not None:  # torch's steps want gradients in the parameter's dtype
-                        self.params[i].grad = g.float()
-                try:
-                    for g, ps in zip(groups, keep, strict=True):
-                        g["params"] = ps
-                    self.optimizer.param_groups = [g for g in groups if g["params"]]
-                    self._inner_step(**kwargs)
-                finally:
-                    self.optimizer.param_groups = groups
-                    for g, ps in zip(groups, full, strict=True):
-                        g["params"] = ps
-                    self._resplit(idx, flat)
-                    for i, g in zip(idx, grads, strict=True):
-                        self.params[i].grad = g
-        finally:
-            for g, ps in zip(groups, full, strict=True):
-                g["params"] = ps
+                    self.params[i].grad = g
         return loss
 
 
