@@ -40,8 +40,8 @@ def main():
         fasts[name] = f
     from torchkiln.llm import quant as llm_quant
 
-    for q in [q for q in a.quant.split(",") if q]:  # int4-tinygemm / int4-expression: force one kernel
-        llm_quant.INT4_IMPL = {"int4-tinygemm": "torchao", "int4-expression": "expression"}.get(q, "auto")
+    for q in [q for q in a.quant.split(",") if q]:  # int4-tinygemm / -torchao / -triton: force one kernel
+        llm_quant.INT4_IMPL = q.split("-")[1] if "-" in q else "auto"
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
     llm_quant.INT4_IMPL = "auto"
     for name, f in fasts.items():
@@ -78,9 +78,15 @@ def main():
 
         for name, f in fasts.items():
             with profile(activities=[ProfilerActivity.CUDA]) as p:
+                t = time.perf_counter()
                 f.generate(ids, max_new_tokens=16, **kw)
                 torch.cuda.synchronize()
-            print(f"--- {name}: CUDA kernels over 16 tokens")
+                wall = time.perf_counter() - t
+            ev = p.key_averages()
+            busy = sum(e.self_device_time_total for e in ev) / 1e3
+            launches = sum(e.count for e in ev)
+            print(f"--- {name}: CUDA kernels over 16 tokens: {launches} kernels, {busy:.1f} ms GPU busy "
+                  f"of {wall * 1e3:.1f} ms wall")
             print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=80))
 
 

@@ -90,3 +90,22 @@ def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
     assert not gemv.usable(wide, k)
     err = float((q(wide).float() - (wide.float() @ _dequantized(q).t() + lin.bias.float())).norm())
     assert err / float((wide.float() @ _dequantized(q).t()).norm()) < 8e-3
+
+
+@pytest.mark.parametrize("n,k,rows,group", [(4096, 4096, 1, 128), (1024, 1536, 3, 64), (256, 512, 16, 32)])
+def test_tinygemm_layout_matches_the_triton_layout(n, k, rows, group):
+    """Int4Linear in tinygemm's layout (torch's int4 kernel on plain buffers) against a float matmul
+    over the Triton layout's dequantized weight: the same q, scale and zero, packed another way."""
+    from torchkiln.llm.quant import Int4Linear
+
+    torch.manual_seed(n + rows)
+    lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    assert Int4Linear.fits_tinygemm(lin, group)
+    tiny, plain = Int4Linear(lin, group, tinygemm=True), Int4Linear(lin, group)
+    x = torch.randn(rows, 1, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ _dequantized(plain).t() + lin.bias.float()
+    for got in (tiny(x), torch.compile(tiny, mode="reduce-overhead")(x)):
+        assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
+        err = float((got.float() - ref).norm() / ref.norm())
+        assert err < 8e-3, err
+    assert not Int4Linear.fits_tinygemm(torch.nn.Linear(k, n, device="cuda"), group)  # float32: no

@@ -18,11 +18,15 @@ from torch import nn
 
 from . import gemv
 
-# int4 kernel: "auto" is torchao's tinygemm on CUDA where torchao is installed, else Int4Linear
-# (the Triton GEMV for CUDA decode, the expression elsewhere). On the H200, bs1 GEMVs of
-# Llama-3-8B's shapes: tinygemm 1.44-1.81x bf16, the Triton int4 GEMV 1.10-1.44x
-# (benchmarks/RESULTS.md, "Triton int8/int4 decode GEMVs"); the expression alone decoded at 66 tok/s.
+# int4 kernel. "auto": on CUDA in bf16, tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm)
+# called on plain buffers, for decode and prefill alike; elsewhere Int4Linear's own layout (the Triton
+# GEMV for CUDA decode, the expression otherwise). On the H200, bs1 GEMVs of Llama-3-8B's shapes:
+# tinygemm 1.44-1.81x bf16, the Triton int4 GEMV 1.10-1.44x (benchmarks/RESULTS.md, "Triton int8/int4
+# decode GEMVs"); the expression alone decoded at 66 tok/s. "torchao" reaches the same kernel through
+# torchao's tensor subclass: its decode step left the GPU idle ~2 ms per token (RESULTS.md, "int4
+# decode"), so it is kept only for comparison. "triton" forces Int4Linear's own layout.
 INT4_IMPL = "auto"
+TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multiple of 16 x this
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
 
@@ -46,30 +50,52 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """Asymmetric int4 weights in groups (128 by default) along the input, two per byte: in each
-    group the low nibbles hold its first half of columns, the high nibbles its second half (the
-    layout the Triton GEMV reads; see gemv.py). Elsewhere unpacked and scaled inside the matmul
-    expression like Int8Linear (tinygemm, torch's CUDA int4 kernel, has no CPU kernel for fp32)."""
+    """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
 
-    def __init__(self, linear: nn.Linear, group: int = 128):
+    Two layouts. ``tinygemm=True`` (CUDA, bf16): tinygemm's packed tiles and its [groups, N, 2]
+    scale-and-zero table, whose zero is the value of q = 8 (``zero + 8 * scale`` here), for every
+    call. Otherwise two values per byte: in each group the low nibbles hold its first half of
+    columns, the high nibbles its second half (the layout the Triton GEMV reads; see gemv.py);
+    elsewhere unpacked and scaled inside the matmul expression like Int8Linear."""
+
+    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False):
         super().__init__()
         self.in_features = linear.in_features
-        self.kernel = gemv.wanted(linear.weight)
+        self.tinygemm = tinygemm
+        self.kernel = not tinygemm and gemv.wanted(linear.weight)
         w = linear.weight.detach().float()
         n, k = w.shape
         g = w.view(n, k // group, group)
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
         scale = ((hi - lo) / 15).clamp_min(1e-8)
         q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        half = group // 2
-        self.register_buffer("packed", (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.register_buffer("zero", lo.to(linear.weight.dtype))
+        if tinygemm:
+            q = q.view(n, k)
+            pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form _convert_weight_to_int4pack takes
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_TILES))
+            table = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1)
+            self.register_buffer("scale_zero", table.contiguous().to(linear.weight.dtype))
+        else:
+            half = group // 2
+            self.register_buffer("packed", (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2))
+            self.register_buffer("scale", scale.to(linear.weight.dtype))
+            self.register_buffer("zero", lo.to(linear.weight.dtype))
+        self.out_features = n
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.group = group
 
+    @staticmethod
+    def fits_tinygemm(linear: nn.Linear, group: int) -> bool:
+        w = linear.weight
+        return (w.is_cuda and w.dtype == torch.bfloat16 and w.shape[0] % 8 == 0
+                and w.shape[1] % (16 * TINYGEMM_TILES) == 0 and group in (32, 64, 128, 256))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and gemv.usable(x, self.in_features):
+        if self.tinygemm:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group, self.scale_zero)
+            out = out.view(*x.shape[:-1], self.out_features)
+        elif self.kernel and gemv.usable(x, self.in_features):
             out = gemv.int4_linear(x, self.packed, self.scale, self.zero, self.group)
         else:
             n, k = self.packed.shape[0], 2 * self.packed.shape[1]
@@ -86,13 +112,10 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
     how many. Without the kernels the head stays floating point: dequantized inside the expression,
     the compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the
     int8 step) on the H200 profile."""
-    impl = INT4_IMPL
-    if impl == "auto":
-        impl = "torchao" if device.type == "cuda" and importlib.util.find_spec("torchao") else "int4linear"
-    if quant == "int4" and impl == "torchao":
+    if quant == "int4" and INT4_IMPL == "torchao" and importlib.util.find_spec("torchao"):
         done = _torchao_int4(decoder.layers, device)
     else:
-        done = _replace(decoder.layers, quant)
+        done = _replace(decoder.layers, quant, INT4_IMPL)
     if gemv.wanted(decoder.head.weight):
         decoder.head = Int8Linear(decoder.head)
         gemv.warm(decoder, decoder.norm.weight.dtype)
@@ -110,7 +133,7 @@ def _torchao_int4(layers: nn.Module, device: torch.device) -> int:
     return done
 
 
-def _replace(layers: nn.Module, quant: str) -> int:
+def _replace(layers: nn.Module, quant: str, impl: str = "auto") -> int:
     done = 0
     for m in list(layers.modules()):
         for name, child in list(m.named_children()):
@@ -122,6 +145,7 @@ def _replace(layers: nn.Module, quant: str) -> int:
                 group = next((g for g in INT4_GROUPS if child.in_features % g == 0), None)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
-                setattr(m, name, Int4Linear(child, group))
+                tiny = impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
+                setattr(m, name, Int4Linear(child, group, tinygemm=tiny))
             done += 1
     return done
