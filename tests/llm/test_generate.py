@@ -277,6 +277,41 @@ def test_int4_packing_round_trips():
     assert (w - lin.weight).abs().max() <= (lin.weight.abs().max() * 2 / 15) / 2 + 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_cpu_kernels_match_a_dequantized_matmul(rows):
+    """bf16 on the CPU: Int8Linear through torch's _weight_int8pack_mm and Int4Linear in tinygemm's
+    CPU layout, against float matmuls over weights dequantized another way (the float32 layer's
+    expression form, which keeps the nibble layout); float32 layers keep the expression."""
+    from torchkiln.llm.quant import Int4Linear, Int8Linear
+
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(256, 48, bias=True)
+    x = torch.randn(rows, 2, 256)
+    half = torch.nn.Linear(256, 48, bias=True).to(torch.bfloat16)
+    half.load_state_dict(lin.state_dict())
+    q8 = Int8Linear(half)
+    assert q8.cpu_kernel and not Int8Linear(lin).cpu_kernel
+    w8 = q8.weight.float() * q8.scales.float()[:, None]
+    ref = x.bfloat16().float() @ w8.t() + half.bias.float()
+    assert float((q8(x.bfloat16()).float() - ref).norm() / ref.norm()) < 8e-3
+    if not Int4Linear.fits_tinygemm(half, 128):
+        pytest.skip("this torch has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
+    assert not Int4Linear.fits_tinygemm(torch.nn.Linear(256, 24).bfloat16(), 128)  # the CPU kernel packs N by 16
+    q4 = Int4Linear(half, 128, tinygemm=True)
+    plain = Int4Linear(lin.bfloat16().float(), 128)  # the same bf16 values, nibble layout, float32
+    ref4 = plain(x.bfloat16().float())
+    assert float((q4(x.bfloat16()).float() - ref4).norm() / ref4.norm()) < 8e-3
+
+
+def test_cpu_bf16_quant_serves_torchs_kernels_and_the_head():
+    model = build("llama", seed=25)
+    q = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", compile=False)
+    assert q.kiln_report.quant_layers == 2 * 4 + 1  # the head too, where a kernel serves it
+    ids = prompt(seed=26)
+    out = q.generate(ids, max_new_tokens=4, **GREEDY)
+    assert out.shape == (1, ids.shape[1] + 4)
+
+
 def test_gemv_routing_is_decided_by_device_and_rows():
     """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
     the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""

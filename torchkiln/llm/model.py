@@ -57,6 +57,26 @@ def fuse(mods: list, transposed: bool) -> nn.Linear:
     return linear_of(weight, bias)
 
 
+# Widest query (decode, speculation checks) that attends through grouped_attention on the CPU.
+CPU_MATMUL_ATTENTION = 16
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of a few queries over the whole cache as two batched matmuls and a float32 softmax,
+    the query heads of each KV head stacked into one matrix (no cache copy for GQA). Why not SDPA on
+    the CPU: its flash kernel took 411 us per call for one query over a 256-slot cache in
+    llama-350m's bf16 decode here, a quarter of the step (torch.profiler, benchmarks/RESULTS.md, "LLM
+    decode on the CPU"). Every row sees at least its own slot (FastDecoder's mask), so no row is
+    fully masked. q (B, H, T, D); k, v (B, KV, S, D); mask (B or 1, 1, T, S), True = attend."""
+    B, H, T, D = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    scores = q.reshape(B, KV, H // KV * T, D).float() @ k.float().transpose(-1, -2) * scale
+    scores = scores.view(B, KV, H // KV, T, S).masked_fill(~mask[:, :, None], float("-inf"))
+    p = scores.softmax(dim=-1).view(B, KV, H // KV * T, S)
+    return (p @ v.float()).to(q.dtype).view(B, H, T, D)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on the first cos.shape[-1] dims of each head (the rest pass through),
     the half-split form transformers uses: x*cos + rotate_half(x)*sin."""
@@ -99,10 +119,13 @@ class Layer(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
-        # grouped KV heads go to SDPA as they are (enable_gqa, torch >= 2.5): expanding the whole
-        # cache per step was two copy kernels per layer in the H200 decode profile
-        o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scaling,
-                                           enable_gqa=KV != H)
+        if x.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
+            o = grouped_attention(q, self.k_cache, self.v_cache, mask, self.scaling)
+        else:
+            # grouped KV heads go to SDPA as they are (enable_gqa, torch >= 2.5): expanding the whole
+            # cache per step was two copy kernels per layer in the H200 decode profile
+            o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scaling,
+                                               enable_gqa=KV != H)
         return self.out(o.transpose(1, 2).reshape(B, T, H * D))
 
     def mlp(self, x):

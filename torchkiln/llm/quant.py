@@ -1,11 +1,14 @@
 """Weight-only quantization of the fast decoder's Linears.
 
-int8: int8 weights with one scale per output channel; int4: asymmetric groups along the input,
-two per byte. On CUDA, decode (at most gemv.MAX_ROWS rows) runs the hand-written Triton GEMVs
-in gemv.py; elsewhere, and for prefill, the weights are dequantized inside the matmul expression
-(gpt-fast's form) for the compiler to fuse. That expression alone, on the H200, read int8 weights
-at 1.5 TB/s (decode no faster than bf16: 201 vs 199 tok/s) and torchao's Int8WeightOnlyConfig
-ran at 136 tok/s (benchmarks/RESULTS.md, LLM decode); hence the kernels.
+int8: int8 weights with one scale per output channel; int4: asymmetric groups along the input.
+Which kernel serves a call:
+- CUDA int8, and int4 where tinygemm does not fit: decode (at most gemv.MAX_ROWS rows) runs the
+  hand-written Triton GEMVs in gemv.py. The dequantize-inside-the-matmul expression (gpt-fast's
+  form) read int8 weights at 1.5 TB/s on the H200 (decode no faster than bf16: 201 vs 199 tok/s)
+  and torchao's Int8WeightOnlyConfig ran at 136 tok/s (benchmarks/RESULTS.md, LLM decode).
+- int4 in bf16 on CUDA, and int8/int4 in bf16/fp16 on the CPU: torch's own weight-only kernels
+  (tinygemm, _weight_int8pack_mm), on plain buffers, for every call.
+- Otherwise (float32 on the CPU, CUDA prefill of the Triton layouts) the expression.
 """
 
 from __future__ import annotations
@@ -30,11 +33,22 @@ TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multip
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
 
+def cpu_kernels(weight: torch.Tensor) -> bool:
+    """Do torch's own CPU weight-only kernels (``aten._weight_int8pack_mm``, and
+    ``_weight_int4pack_mm_for_cpu`` where this torch has it) serve a layer with this weight? Only
+    for bf16/fp16 activations. On this project's AVX2 dev CPU, with llama-350m's shapes and weights
+    from DRAM, against dense bf16: int8 1.12-1.52x at one row and 2.6-3.0x at four, int4 1.05-1.53x
+    and 2.3-2.8x; in float32 the int8 kernel ran 0.12-0.42x dense float32, so float32 layers keep the
+    expression (benchmarks/llm_gemv_cpu.py; RESULTS.md, "LLM decode on the CPU, 2026-11-22")."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features = linear.in_features
         self.kernel = gemv.wanted(linear.weight)  # the Triton GEMV serves CUDA decode
+        self.cpu_kernel = cpu_kernels(linear.weight)  # torch's int8 kernel serves the CPU in bf16/fp16
         w = linear.weight.detach().float()
         scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
         self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
@@ -44,6 +58,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and gemv.usable(x, self.in_features):
             out = gemv.int8_linear(x, self.weight, self.scales)
+        elif self.cpu_kernel and x.dtype == self.scales.dtype:
+            rows = x.reshape(-1, self.in_features)
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+            out = out.view(*x.shape[:-1], self.weight.shape[0])
         else:
             out = F.linear(x, self.weight.to(x.dtype)) * self.scales
         return out + self.bias if self.bias is not None else out
@@ -52,9 +70,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
 
-    Two layouts. ``tinygemm=True`` (CUDA, bf16): tinygemm's packed tiles and its [groups, N, 2]
-    scale-and-zero table, whose zero is the value of q = 8 (``zero + 8 * scale`` here), for every
-    call. Otherwise two values per byte: in each group the low nibbles hold its first half of
+    Two layouts. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
+    kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
+    value of q = 8 (``zero + 8 * scale`` here), for every call. Otherwise two values per byte: in each group the low nibbles hold its first half of
     columns, the high nibbles its second half (the layout the Triton GEMV reads; see gemv.py);
     elsewhere unpacked and scaled inside the matmul expression like Int8Linear."""
 
@@ -71,8 +89,12 @@ class Int4Linear(nn.Module):
         q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
         if tinygemm:
             q = q.view(n, k)
-            pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form _convert_weight_to_int4pack takes
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_TILES))
+            if linear.weight.is_cuda:
+                pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form the CUDA packing takes
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_TILES)
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), TINYGEMM_TILES)
+            self.register_buffer("packed", packed)
             table = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1)
             self.register_buffer("scale_zero", table.contiguous().to(linear.weight.dtype))
         else:
@@ -87,13 +109,15 @@ class Int4Linear(nn.Module):
     @staticmethod
     def fits_tinygemm(linear: nn.Linear, group: int) -> bool:
         w = linear.weight
-        return (w.is_cuda and w.dtype == torch.bfloat16 and w.shape[0] % 8 == 0
+        here = w.is_cuda or (w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+        return (here and w.dtype == torch.bfloat16 and w.shape[0] % (8 if w.is_cuda else 16) == 0
                 and w.shape[1] % (16 * TINYGEMM_TILES) == 0 and group in (32, 64, 128, 256))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tinygemm:
             rows = x.reshape(-1, self.in_features).contiguous()
-            out = torch.ops.aten._weight_int4pack_mm(rows, self.packed, self.group, self.scale_zero)
+            mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = mm(rows, self.packed, self.group, self.scale_zero)
             out = out.view(*x.shape[:-1], self.out_features)
         elif self.kernel and gemv.usable(x, self.in_features):
             out = gemv.int4_linear(x, self.packed, self.scale, self.zero, self.group)
@@ -107,18 +131,20 @@ class Int4Linear(nn.Module):
 
 
 def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
-    """Replace the decoder's layer Linears (and, where the CUDA kernels run, the output head, in
-    int8 for both modes: it is the largest single matrix and int8 keeps the logits close); returns
-    how many. Without the kernels the head stays floating point: dequantized inside the expression,
-    the compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the
-    int8 step) on the H200 profile."""
+    """Replace the decoder's layer Linears (and, where a kernel serves it, the output head, in int8
+    for both modes: it is the largest single matrix and int8 keeps the logits close); returns how
+    many. Without a kernel the head stays floating point: dequantized inside the expression, the
+    compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the int8
+    step) on the H200 profile."""
     if quant == "int4" and INT4_IMPL == "torchao" and importlib.util.find_spec("torchao"):
         done = _torchao_int4(decoder.layers, device)
     else:
         done = _replace(decoder.layers, quant, INT4_IMPL)
-    if gemv.wanted(decoder.head.weight):
+    head = decoder.head.weight
+    if gemv.wanted(head) or cpu_kernels(head):
         decoder.head = Int8Linear(decoder.head)
-        gemv.warm(decoder, decoder.norm.weight.dtype)
+        if head.is_cuda:
+            gemv.warm(decoder, decoder.norm.weight.dtype)
         done += 1
     return done
 
