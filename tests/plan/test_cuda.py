@@ -85,7 +85,5 @@ def test_conv_net_channels_last_and_cudnn_benchmark(level):
     assert plan(mlp(), H100, DEV, BF16, level, {}, None).cudnn_benchmark is False
 
 
-@pytest.mark.xfail(strict=True, reason="planner bug: O0 builds cast_dtype with the default fp32 islands on "
-                   "CUDA (plan/__init__.py, O0 branch), while the CUDA family plans none (cuda.py)")
 def test_O0_cast_on_cuda_matches_family_islands():
     assert plan(mlp(), H100, DEV, BF16, "O0", {}, None).fp32_modules == ()

@@ -124,9 +124,6 @@ def test_never_onednn_linear_with_cpp_wrapper(gemm, level, answer, prepack, user
     assert not ("onednn_linear" in recipe.pass_names and opts(recipe).get("cpp_wrapper"))
 
 
-@pytest.mark.xfail(strict=True, reason="planner bug: cpu.plan skips cpp_wrapper at O2 when the measured GEMM "
-                   "is onednn; a knob that then removes onednn_linear (auto_kernel_selection=False or "
-                   "weights_prepack=False) leaves O2 without cpp_wrapper although nothing conflicts")
 @pytest.mark.parametrize("knob", [{"auto_kernel_selection": False}, {"weights_prepack": False}])
 def test_O2_knob_removing_onednn_restores_cpp_wrapper(gemm, knob):
     gemm.answer = "onednn"

@@ -9,7 +9,7 @@ from torch import nn
 from ..hardware import Hardware
 from ..passes import onednn_graph, registry
 from ..recipe import Recipe
-from . import cpu, cuda, generic
+from . import common, cpu, cuda, generic
 
 # ipex.optimize keyword -> the registered pass it switches.
 KNOB_PASSES = {
@@ -43,7 +43,8 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     if level == "O0":
         low = dtype != torch.float32
-        passes = (registry.make("cast_dtype", dtype=_name(dtype)),) if low else ()
+        # the family's own cast (CUDA keeps no fp32 islands), so O0 differs from O1 only in what O1 adds
+        passes = (common.cast_pass(dtype, getattr(fam, "FP32_ISLANDS", True)),) if low else ()
         # notes[0] stays the dtype reason (optimize() warns with it); O0's note follows.
         recipe = Recipe(device=device, level=level, dtype=_name(dtype), compile=False, passes=passes,
                         dtype_mode="cast" if low else "none",

@@ -8,11 +8,19 @@ from torch import nn
 from ..passes import registry
 
 
-def base_passes(dtype: torch.dtype, has_conv: bool, channels_last: bool = True) -> tuple[list, str]:
+def cast_pass(dtype: torch.dtype, islands: bool = True):
+    """The cast to a low precision; ``islands=False`` keeps no modules in fp32 (a family whose
+    norm and softmax kernels accumulate in fp32 already)."""
+    return registry.make("cast_dtype", dtype=str(dtype).removeprefix("torch."),
+                         **({} if islands else {"fp32_modules": ()}))
+
+
+def base_passes(dtype: torch.dtype, has_conv: bool, channels_last: bool = True,
+                islands: bool = True) -> tuple[list, str]:
     """The eager passes that pay everywhere (as configs), and the memory format for conv nets."""
     passes = [registry.make(n) for n in ("replace_dropout", "fold_conv_bn", "fold_linear_bn")]
     if dtype != torch.float32:
-        passes.append(registry.make("cast_dtype", dtype=str(dtype).removeprefix("torch.")))
+        passes.append(cast_pass(dtype, islands))
     if has_conv and channels_last:
         passes.append(registry.make("channels_last"))
         return passes, "channels_last"

@@ -73,11 +73,10 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     if level == "O2":
         passes.append(registry.make("concat_linear"))
         notes.append("O2: concat sibling linears")
-        if gemm != "onednn":
-            # inductor's cpp_wrapper asserts oneDNN weights are graph constants; our
-            # packed buffers are not, so the two don't mix (InductorError on torch 2.13).
-            options["cpp_wrapper"] = True
-            notes.append("O2: C++ wrapper (less Python overhead per call)")
+        # Less Python overhead per call. It cannot run onednn_linear's packed buffers; plan's
+        # _apply_knobs drops it while that pass stays (after the knobs, which may remove it).
+        options["cpp_wrapper"] = True
+        notes.append("O2: C++ wrapper (less Python overhead per call)")
     # SDPA's CPU flash kernel parallelises over batch x heads only; at short
     # sequences plain math is often faster. Decided per shape by measurement.
     graph = has_conv and onednn_graph.available()

@@ -24,8 +24,12 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
     return dtype, None
 
 
+# CUDA norm/softmax kernels accumulate in fp32 already: no fp32 islands needed.
+FP32_ISLANDS = False
+
+
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
-    passes, fmt = base_passes(dtype, has_conv)
+    passes, fmt = base_passes(dtype, has_conv, islands=FP32_ISLANDS)
     if has_conv:
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
     options: dict = {"freezing": True}
@@ -51,9 +55,6 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
     # eager 3.76 ms, compiled 5.24 ms, from the trust issue). An opaque op keeps eager's
     # kernel choice, and an all-ones mask is dropped so flash applies at all.
     notes.append("attention: SDPA as an opaque op (keeps flash/cuDNN kernels under compile)")
-    if dtype != torch.float32:
-        # CUDA norm/softmax kernels accumulate in fp32 already: no fp32 islands needed.
-        passes = [p if p.name != "cast_dtype" else p.__class__(dtype=p.dtype, fp32_modules=()) for p in passes]
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
                   passes=tuple(passes), memory_format=fmt, cudnn_benchmark=has_conv,
                   cuda_graphs=graphs, attention="opaque", drop_all_ones_mask=is_hf(model),
