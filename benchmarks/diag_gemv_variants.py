@@ -1,4 +1,4 @@
-"""Candidate decode GEMV kernels against the ones tk.llm serves (llm/gemv.py), one row, Llama-3-8B's
+"""Candidate decode GEMV kernels against the ones tk.llm serves (quantization/gemv.py), one row, Llama-3-8B's
 shapes, each inside one CUDA graph over >= 256 MB of weight copies (llm_gemv.py's harness).
 
     python benchmarks/diag_gemv_variants.py
@@ -21,9 +21,8 @@ import triton
 import triton.language as tl
 from llm_gemv import SHAPES, graph_of, time_graph
 
-from torchkiln.llm import gemv
-from torchkiln.llm import quant as llm_quant
-from torchkiln.llm.quant import Int4Linear, Int8Linear
+from torchkiln.quantization import gemv, weight_only
+from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
 CFG8 = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT": s}, num_warps=w, num_stages=st)
         for n, k, w, st in ((8, 512, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 3), (8, 1024, 8, 3),
@@ -182,10 +181,10 @@ def main() -> int:
             "int4 v2": (run_int4_v2, [(x[0], p, q4.scale, q4.zero) for p in p4], n * k // 2 + 4 * n * (k // 128)),
         }
         for tiles in (2, 4, 8):  # tinygemm's inner K tiles (torchkiln serves 8)
-            llm_quant.TINYGEMM_TILES = tiles
+            weight_only.TINYGEMM_TILES = tiles
             tg = [Int4Linear(lin, 128, tinygemm=True) for _ in range(count)]
             peers[f"int4 tinygemm ikt{tiles}"] = (lambda x, m: m(x), [(x, m) for m in tg], n * k // 2 + 4 * n * (k // 128))
-        llm_quant.TINYGEMM_TILES = 8
+        weight_only.TINYGEMM_TILES = 8
         ref = F.linear(x, lin.weight).float().view(-1)
         ref8 = gemv.int8_linear(x, q8.weight, q8.scales).float().view(-1)
         ref4 = gemv.int4_linear(x, q4.packed, q4.scale, q4.zero, 128).float().view(-1)

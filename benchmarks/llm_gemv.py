@@ -16,8 +16,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from torchkiln.llm import gemv
-from torchkiln.llm.quant import Int4Linear, Int8Linear
+from torchkiln.quantization import gemv
+from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}

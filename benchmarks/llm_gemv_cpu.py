@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torchkiln.llm.quant import Int4Linear, Int8Linear
+from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
 SHAPES = {"qkv": (3072, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
 

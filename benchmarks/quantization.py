@@ -80,29 +80,50 @@ def cpu_part(budget):
 
 
 def linear_part(budget):
+    """Weight-only linears from tk.quantize at LLM shapes, batch 1. Each peer runs inside one CUDA
+    graph over enough quantized copies (>= 256 MB of bf16 weights) that the weights come from HBM,
+    not the 50 MB L2 (llm_gemv.py's harness); us per call, medians of 5 interleaved rounds."""
+    from llm_gemv import graph_of, time_graph
+
     dev = torch.device("cuda")
-    n = 1 << 28
-    a = torch.empty(n, dtype=torch.float32, device=dev)
-    b = torch.empty_like(a)
-    copy_s = statistics.median(interleaved({"copy": lambda: b.copy_(a)}, dev, 1.0, min_rounds=10)["copy"])
-    copy_gbs = 2 * a.numel() * 4 / copy_s / 1e9
-    print(f"copy bandwidth (read + write of 1 GiB): {copy_gbs:.0f} GB/s")
+    big = torch.empty(1 << 28, device=dev)
+    other = torch.empty_like(big)
+    copy_gbs = 2 * big.numel() * 4 / statistics.median(
+        time_graph(graph_of(lambda a, b: b.copy_(a), [(big, other)])) for _ in range(5)) / 1e9
+    del big, other
+    print(f"copy bandwidth (read + write, graph-timed): {copy_gbs:.0f} GB/s")
+    peers = (("bf16", None, {}), ("int8-weight-only", "int8-weight-only", {}),
+             ("int8-weight-only via torchao", "int8-weight-only", {"backend": "torchao"}),
+             ("int4-weight-only", "int4-weight-only", {}))
     for k, nout in ((4096, 4096), (4096, 14336)):
-        base = torch.nn.Sequential(torch.nn.Linear(k, nout, bias=False)).to(dev, torch.bfloat16).eval()
+        count = max(2, -(-(256 << 20) // (2 * k * nout)))
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        fns, bytes_ = {}, {}
-        for scheme in ("bf16", "int8-weight-only", "int4-weight-only"):
-            m = base if scheme == "bf16" else tk.quantize(base, scheme, progress=False)
-            fns[scheme] = torch.compile(m, mode="max-autotune-no-cudagraphs")
-            bits = {"bf16": 16, "int8-weight-only": 8, "int4-weight-only": 4}[scheme]
-            scales = 0 if scheme == "bf16" else (nout * 2 if bits == 8 else nout * k // 128 * 4)
-            bytes_[scheme] = k * nout * bits / 8 + scales
-        ms = time_all(fns, ((x,), {}), budget, dev)
-        print(f"\nlinear {k}x{nout} bs1 bf16 activations:")
-        for s, v in ms.items():
-            gbs = bytes_[s] / (v / 1e3) / 1e9
-            print(f"  {s:18s} {v * 1e3:8.1f} us  {ms['bf16'] / v:5.2f}x bf16  {gbs:6.0f} GB/s weights "
-                  f"({gbs / (copy_gbs / 2):.0%} of copy read rate)")
+        graphs, bytes_ = {}, {}
+        for name, scheme, opts in peers:
+            mods = []
+            for i in range(count):
+                torch.manual_seed(i)
+                base = torch.nn.Sequential(torch.nn.Linear(k, nout, bias=False)).to(dev, torch.bfloat16).eval()
+                mods.append(base if scheme is None else tk.quantize(base, scheme, progress=False, **opts))
+            backend = "" if scheme is None else f" ({mods[0].kiln_quant.backend})"
+            bits = 16 if scheme is None else 8 if scheme.startswith("int8") else 4
+            scales = 0 if bits == 16 else (nout * 2 if bits == 8 else nout * k // 128 * 4)
+            bytes_[name + backend] = k * nout * bits / 8 + scales
+            with torch.no_grad():
+                graphs[name + backend] = graph_of(lambda x, m: m(x), [(x, m) for m in mods])
+        times = {n: [] for n in graphs}
+        for _ in range(5):
+            for n, g in graphs.items():
+                times[n].append(time_graph(g) / count)
+        base_s = statistics.median(times["bf16"])
+        print(f"\nlinear {k}x{nout} bs1 bf16 activations ({count} copies per graph):")
+        for n, t in times.items():
+            v = statistics.median(t)
+            gbs = bytes_[n] / v / 1e9
+            print(f"  {n:40s} {v * 1e6:8.1f} us  {base_s / v:5.2f}x bf16  {gbs:6.0f} GB/s weights "
+                  f"({gbs / copy_gbs:.0%} of the copy rate)")
+        del graphs
+        torch.cuda.empty_cache()
 
 
 def fp8_part(budget):

@@ -1,5 +1,5 @@
 """tk.llm on CUDA: the compiled decode step with CUDA graphs against transformers' greedy
-generate (fp32), bf16, and weight-only int8/int4 through the Triton GEMVs (llm/gemv.py)."""
+generate (fp32), bf16, and weight-only int8/int4 through the Triton GEMVs (quantization/gemv.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_weight_only_quant_on_cuda(quant, cos):
 
 def _dequantized(q) -> torch.Tensor:
     """The float weight of an Int8Linear/Int4Linear, written without its forward or the kernels."""
-    from torchkiln.llm.quant import Int8Linear
+    from torchkiln.quantization.weight_only import Int8Linear
 
     if isinstance(q, Int8Linear):
         return q.weight.float() * q.scales.float()[:, None]
@@ -73,8 +73,8 @@ def _dequantized(q) -> torch.Tensor:
 def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
     """The Triton GEMVs (eager and inside a compiled, CUDA-graphed function) against a float matmul
     over the dequantized weight; odd N and group counts exercise the masked tails."""
-    from torchkiln.llm import gemv
-    from torchkiln.llm.quant import Int4Linear, Int8Linear
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
     torch.manual_seed(n + k)
     lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
 def test_tinygemm_layout_matches_the_triton_layout(n, k, rows, group):
     """Int4Linear in tinygemm's layout (torch's int4 kernel on plain buffers) against a float matmul
     over the Triton layout's dequantized weight: the same q, scale and zero, packed another way."""
-    from torchkiln.llm.quant import Int4Linear
+    from torchkiln.quantization.weight_only import Int4Linear
 
     torch.manual_seed(n + rows)
     lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)

@@ -262,7 +262,7 @@ def test_weight_only_quant_close_to_float(quant, cos, tol):
 
 def test_int4_packing_round_trips():
     """Int4Linear against a dequantization written another way (per-group loop)."""
-    from torchkiln.llm.quant import Int4Linear
+    from torchkiln.quantization.weight_only import Int4Linear
 
     lin = torch.nn.Linear(256, 8, bias=False)
     q = Int4Linear(lin, group=128)
@@ -282,7 +282,7 @@ def test_cpu_kernels_match_a_dequantized_matmul(rows):
     """bf16 on the CPU: Int8Linear through torch's _weight_int8pack_mm and Int4Linear in tinygemm's
     CPU layout, against float matmuls over weights dequantized another way (the float32 layer's
     expression form, which keeps the nibble layout); float32 layers keep the expression."""
-    from torchkiln.llm.quant import Int4Linear, Int8Linear
+    from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
     torch.manual_seed(rows)
     lin = torch.nn.Linear(256, 48, bias=True)
@@ -315,8 +315,8 @@ def test_cpu_bf16_quant_serves_torchs_kernels_and_the_head():
 def test_gemv_routing_is_decided_by_device_and_rows():
     """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
     the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""
-    from torchkiln.llm import gemv
-    from torchkiln.llm.quant import Int8Linear
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int8Linear
 
     assert not Int8Linear(torch.nn.Linear(128, 8)).kernel
     assert not gemv.usable(torch.zeros(1, 128), 128)  # a CPU tensor

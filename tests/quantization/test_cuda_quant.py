@@ -1,4 +1,4 @@
-"""CUDA schemes (torchao kernels): weight-only int8/int4, per-token int8 dynamic, fp8."""
+"""CUDA schemes: weight-only int8 (torchkiln's Triton GEMV) and int4, per-token int8 dynamic, fp8 (torchao)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,25 @@ def test_cuda_scheme(scheme, floor):
         q = tk.quantize(m, scheme, calib_data=[x], progress=False)
         fast = tk.optimize(q, sample_input=x, time_budget=0.5)
     ref = m(x).float()
-    assert q.kiln_quant.backend == "torchao"
+    assert q.kiln_quant.backend == ("kernels" if scheme == "int8-weight-only" else "torchao")
     assert sqnr_db(ref, q(x).float()) > floor
     assert sqnr_db(ref, fast(x).float()) > floor
     assert fast.kiln_report.quantization["scheme"] == scheme
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_weight_only_kernels_at_decode_and_batch_sizes(rows):
+    """The kernels backend on CUDA: the Triton GEMV (<= 4 rows) and the dequantizing matmul beyond,
+    eager and through tk.optimize (compiled, CUDA graphs), against the float model."""
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    torch.manual_seed(rows)
+    m = nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024)).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = tk.quantize(m, "int8-weight-only", calib_data=[x], progress=False)
+        fast = tk.optimize(q, sample_input=x, time_budget=0.5)
+    assert all(isinstance(q[i], Int8Linear) and q[i].kernel for i in (0, 2))
+    ref = m(x).float()
+    assert sqnr_db(ref, q(x).float()) > 30 and sqnr_db(ref, fast(x).float()) > 30

@@ -23,8 +23,8 @@ from torch import nn
 from .. import inputs
 from .._log import warn_once
 from ..modelutil import model_device
-from . import calibrate, fallback, pt2e_flow, smoothquant
-from .accuracy import AccuracyReport, measure
+from . import calibrate, fallback, pt2e_flow, smoothquant, weight_only
+from .accuracy import AccuracyReport, measure, padding_mask
 from .config import QuantConfig, make
 from .schemes import _quiet_torchao, backend_for, fast_here, torchao, torchao_config
 
@@ -247,14 +247,17 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
         qmodel = QuantizedGraph(pt2e_flow.convert(observed), info)
     else:
         qmodel = copy.deepcopy(model).eval()
-        apply_torchao(qmodel, config, dev)
+        if backend == "kernels":
+            weight_only.apply(qmodel, config, dev)
+        else:
+            apply_torchao(qmodel, config, dev)
         qmodel.kiln_quant = info
     names = fallback.targets(model, config, backend)
     info.report.kept = [n for n in names if n in config.keep] + [n for n in config.keep if n not in names]
     info.report.quantized = len([n for n in names if n not in config.keep])
     if evals:
         outs = calibrate.run(qmodel, evals, dev, "measuring accuracy", show=False)
-        info.report.outputs = measure(refs, outs)
+        info.report.outputs = measure(refs, outs, [padding_mask(b) for b in evals])
     return qmodel, info.report
 
 

@@ -26,7 +26,7 @@ DEFAULT_MIN_SQNR = {"int8-dynamic": 20.0, "int8-static": 15.0, "int8-smoothquant
 @dataclass(frozen=True)
 class QuantConfig:
     scheme: str
-    backend: str = "auto"  # auto | torchao | pt2e (auto: schemes.backend_for(scheme, device))
+    backend: str = "auto"  # auto | torchao | pt2e | kernels (auto: schemes.backend_for(scheme, device))
     group_size: int = 128  # int4-weight-only: weights per scale
     # int8-smoothquant: migration strength (0: none, 1: all onto the weights), or "auto": chosen per linear
     # from smoothquant.GRID by the int8 output error on calibration rows (smoothquant.choose_alpha)
@@ -39,8 +39,11 @@ class QuantConfig:
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme={self.scheme!r} is not a quantization scheme; use one of {', '.join(SCHEMES)}")
-        if self.backend not in ("auto", "torchao", "pt2e"):
-            raise ValueError(f"backend={self.backend!r} is not one of 'auto', 'torchao', 'pt2e'")
+        if self.backend not in ("auto", "torchao", "pt2e", "kernels"):
+            raise ValueError(f"backend={self.backend!r} is not one of 'auto', 'torchao', 'pt2e', 'kernels'")
+        if self.backend == "kernels" and self.scheme != "int8-weight-only":
+            raise ValueError(f"backend='kernels' serves int8-weight-only only, not {self.scheme!r}; use "
+                             "backend='auto'")
         if self.scheme == "int4-weight-only" and self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not supported for int4-weight-only; use one of "
                              f"{GROUP_SIZES}")

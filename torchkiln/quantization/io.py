@@ -6,8 +6,9 @@ One file, written with ``torch.save`` and read with ``torch.load(weights_only=Tr
      "manifest": "<JSON: config, backend, accuracy report, model fingerprint, calibration, smoothing>",
      "tensors": {name: tensor}}
 
-- torchao schemes (weight-only, fp8, int8-dynamic on CUDA): ``tensors`` is the quantized
-  model's state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
+- torchao schemes (weight-only, fp8, int8-dynamic on CUDA) and the kernels backend (int8-weight-only
+  on CUDA: int8 weights, scales and biases as plain tensors): ``tensors`` is the quantized model's
+  state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
   (torchao registers them), so no arbitrary object is unpickled.
 - pt2e schemes (CPU int8-static/-smoothquant/-dynamic): ``tensors`` holds the float weights
   and the export example; the observers' state is JSON in the manifest. Loading re-exports the
@@ -27,7 +28,7 @@ import os
 import torch
 from torch import nn
 
-from . import pt2e_flow, smoothquant
+from . import pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, OutputAccuracy
 from .api import Prepared, QuantInfo, QuantizedGraph, _observed, apply_torchao, info
 from .config import QuantConfig
@@ -106,7 +107,10 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
         observed = _observed(q, config, qi.sample, dev, smooth)
         pt2e_flow.load_observer_state(observed, qi.calibration)
         return QuantizedGraph(pt2e_flow.convert(observed), qi)
-    apply_torchao(q, config, dev)
+    if qi.backend == "kernels":
+        weight_only.apply(q, config, dev)
+    else:
+        apply_torchao(q, config, dev)
     try:
         q.load_state_dict(weights, strict=True, assign=True)
     except Exception as e:

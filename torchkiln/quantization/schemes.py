@@ -48,6 +48,10 @@ def backend_for(config: QuantConfig, device: torch.device) -> str:
         return "pt2e"
     if config.scheme == "int8-dynamic" and device.type == "cpu":
         return "pt2e"
+    if config.scheme == "int8-weight-only" and device.type == "cuda":
+        # weight_only.py's Triton GEMV: torchao's int8 weight-only decoded Llama-3-8B at 136 tok/s on
+        # the H200 against 250 for it (benchmarks/RESULTS.md, LLM decode)
+        return "kernels"
     return "torchao"
 
 
@@ -95,6 +99,8 @@ def fast_here(scheme: str, device: torch.device, hw=None) -> tuple[bool, str]:
         if scheme in ("int8-static", "int8-smoothquant"):
             return False, ("the static int8 flow lowers to oneDNN CPU kernels; on CUDA it runs as fake "
                            "quantization: use int8-dynamic or fp8")
+        if scheme == "int8-weight-only":
+            return True, "torchkiln's Triton int8 GEMV for up to 4 rows, a dequantizing matmul beyond"
         return True, "torchao CUDA kernels"
     if device.type != "cpu":
         return False, f"no quantized kernels for {device.type}; weight-only schemes save memory only"

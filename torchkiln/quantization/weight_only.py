@@ -1,0 +1,138 @@
+"""Weight-only int8/int4 linears on plain buffers, and the kernels that serve them.
+
+Shared by tk.quantize (``int8-weight-only`` on CUDA: backend "kernels") and the LLM path
+(llm/quant.py). Which kernel serves a call:
+- CUDA int8, and int4 where tinygemm does not fit: calls of at most gemv.MAX_ROWS rows (decode,
+  batch-1 inference) run the hand-written Triton GEMVs in gemv.py. torchao's Int8WeightOnlyConfig
+  decoded Llama-3-8B at 136 tok/s on the H200 against 250 for these (benchmarks/RESULTS.md, LLM
+  decode), and through its tensor subclass the int4 kernel left the GPU idle 2-4 ms per token.
+- int4 in bf16 on CUDA, and int8/int4 in bf16/fp16 on the CPU: torch's own weight-only kernels
+  (tinygemm, _weight_int8pack_mm), for every call.
+- Otherwise (float32 on the CPU, wider CUDA calls of the Triton layouts) the weight is
+  dequantized inside the matmul expression (gpt-fast's form).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fallback, gemv
+from .config import QuantConfig
+
+TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multiple of 16 x this
+
+
+def cpu_kernels(weight: torch.Tensor) -> bool:
+    """Do torch's own CPU weight-only kernels (``aten._weight_int8pack_mm``, and
+    ``_weight_int4pack_mm_for_cpu`` where this torch has it) serve a layer with this weight? Only
+    for bf16/fp16 activations. On this project's AVX2 dev CPU, with llama-350m's shapes and weights
+    from DRAM, against dense bf16: int8 1.12-1.52x at one row and 2.6-3.0x at four, int4 1.05-1.53x
+    and 2.3-2.8x; in float32 the int8 kernel ran 0.12-0.42x dense float32, so float32 layers keep the
+    expression (benchmarks/llm_gemv_cpu.py; RESULTS.md, "LLM decode on the CPU, 2026-11-22")."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+class Int8Linear(nn.Module):
+    """int8 weights, one scale per output channel: ``y = (x @ q.T) * scale + bias``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = gemv.wanted(linear.weight)  # the Triton GEMV serves CUDA decode
+        self.cpu_kernel = cpu_kernels(linear.weight)  # torch's int8 kernel serves the CPU in bf16/fp16
+        w = linear.weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and gemv.usable(x, self.in_features):
+            out = gemv.int8_linear(x, self.weight, self.scales)
+        elif self.cpu_kernel and x.dtype == self.scales.dtype:
+            rows = x.reshape(-1, self.in_features)
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+            out = out.view(*x.shape[:-1], self.weight.shape[0])
+        else:
+            out = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-channel scales"
+
+
+class Int4Linear(nn.Module):
+    """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
+
+    Two layouts. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
+    kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
+    value of q = 8 (``zero + 8 * scale`` here), for every call. Otherwise two values per byte: in each group the low nibbles hold its first half of
+    columns, the high nibbles its second half (the layout the Triton GEMV reads; see gemv.py);
+    elsewhere unpacked and scaled inside the matmul expression like Int8Linear."""
+
+    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.tinygemm = tinygemm
+        self.kernel = not tinygemm and gemv.wanted(linear.weight)
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        g = w.view(n, k // group, group)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        if tinygemm:
+            q = q.view(n, k)
+            if linear.weight.is_cuda:
+                pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form the CUDA packing takes
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_TILES)
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), TINYGEMM_TILES)
+            self.register_buffer("packed", packed)
+            table = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1)
+            self.register_buffer("scale_zero", table.contiguous().to(linear.weight.dtype))
+        else:
+            half = group // 2
+            self.register_buffer("packed", (q[..., :half] | (q[..., half:] << 4)).reshape(n, k // 2))
+            self.register_buffer("scale", scale.to(linear.weight.dtype))
+            self.register_buffer("zero", lo.to(linear.weight.dtype))
+        self.out_features = n
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.group = group
+
+    @staticmethod
+    def fits_tinygemm(linear: nn.Linear, group: int) -> bool:
+        w = linear.weight
+        here = w.is_cuda or (w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+        return (here and w.dtype == torch.bfloat16 and w.shape[0] % (8 if w.is_cuda else 16) == 0
+                and w.shape[1] % (16 * TINYGEMM_TILES) == 0 and group in (32, 64, 128, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tinygemm:
+            rows = x.reshape(-1, self.in_features).contiguous()
+            mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = mm(rows, self.packed, self.group, self.scale_zero)
+            out = out.view(*x.shape[:-1], self.out_features)
+        elif self.kernel and gemv.usable(x, self.in_features):
+            out = gemv.int4_linear(x, self.packed, self.scale, self.zero, self.group)
+        else:
+            n, k = self.packed.shape[0], 2 * self.packed.shape[1]
+            p = self.packed.view(n, k // self.group, self.group // 2)
+            q = torch.stack((p & 0xF, p >> 4), dim=2).view(n, -1, self.group)
+            w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+            out = F.linear(x, w)
+        return out + self.bias if self.bias is not None else out
+
+
+def apply(model: nn.Module, config: QuantConfig, device: torch.device) -> None:
+    """``int8-weight-only`` with the kernels above: each targeted Linear of ``model`` (torchkiln's
+    copy), the kept ones aside, becomes an Int8Linear on ``device``."""
+    if config.scheme != "int8-weight-only":
+        raise ValueError(f"backend 'kernels' serves int8-weight-only only, not {config.scheme!r}")
+    mods = dict(model.named_modules())
+    for name in set(fallback.targets(model, config, "kernels")) - set(config.keep):
+        parent, _, attr = name.rpartition(".")
+        layer = mods[name]
+        setattr(mods[parent] if parent else model, attr, Int8Linear(layer.to(device)).train(layer.training))
