@@ -2,6 +2,7 @@
 
     python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static, MiniLM bs16
     python benchmarks/quantization.py --part linear     # CUDA: weight-only int8/int4 linears, GB/s
+    python benchmarks/quantization.py --part stack      # CUDA: a bs1 MLP stack through tk.optimize
     python benchmarks/quantization.py --part fp8        # CUDA: bert-base bs64 fp8 vs torchkiln bf16
 
 CPU peers: eager fp32; the stock int8 flow as torchao's pt2e tutorial builds it
@@ -126,6 +127,27 @@ def linear_part(budget):
         torch.cuda.empty_cache()
 
 
+def stack_part(budget):
+    """A bs1 stack of weight-only MLP blocks through tk.optimize (compiled, CUDA graphs), per scheme
+    and backend, timed per call from the host (interleaved rounds): where the layers' host cost, not
+    only their kernels, shows."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(4096, 11008), torch.nn.GELU(), torch.nn.Linear(11008, 4096))
+              for _ in range(8)]
+    base = torch.nn.Sequential(*blocks).to(dev, torch.bfloat16).eval()
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    fns = {"bf16": tk.optimize(base, sample_input=x, time_budget=budget)}
+    for scheme in ("int8-weight-only", "int4-weight-only"):
+        for backend in ("kernels", "torchao"):
+            q = tk.quantize(base, scheme, progress=False, backend=backend)
+            fns[f"{scheme} ({backend})"] = tk.optimize(q, sample_input=x, time_budget=budget)
+    ms = time_all(fns, ((x,), {}), budget * 3, dev)
+    print("\n8 x (4096 -> 11008 -> 4096) bf16 MLP blocks, bs1, tk.optimize (median ms per call):")
+    for n, v in ms.items():
+        print(f"  {n:32s} {v * 1e3:8.1f} us  {ms['bf16'] / v:5.2f}x bf16  served: {fns[n].kiln_report.active}")
+
+
 def fp8_part(budget):
     from torchkiln.zoo import load
 
@@ -151,13 +173,13 @@ def fp8_part(budget):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("cpu", "linear", "fp8"), default="cpu")
+    p.add_argument("--part", choices=("cpu", "linear", "stack", "fp8"), default="cpu")
     p.add_argument("--budget", type=float, default=3.0)
     a = p.parse_args(argv)
     print(f"# {datetime.date.today()} torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.cuda.get_device_name() if a.part != 'cpu' else 'cpu'}; python benchmarks/quantization.py "
           + " ".join(sys.argv[1:]))
-    {"cpu": cpu_part, "linear": linear_part, "fp8": fp8_part}[a.part](a.budget)
+    {"cpu": cpu_part, "linear": linear_part, "stack": stack_part, "fp8": fp8_part}[a.part](a.budget)
 
 
 if __name__ == "__main__":

@@ -376,5 +376,41 @@ def test_kernels_backend_matches_per_channel_int8_and_round_trips(tmp_path, dtyp
     tk.quantization.save(q, path)
     loaded = quiet(tk.quantization.load, mlp(seed=3).to(dtype), path)
     assert torch.equal(loaded(x), q(x)) and tk.quantization.info(loaded).backend == "kernels"
-    with pytest.raises(ValueError, match="backend='kernels' serves int8-weight-only only"):
-        QuantConfig("int4-weight-only", backend="kernels")
+    with pytest.raises(ValueError, match="backend='kernels' serves int8-weight-only and int4-weight-only only"):
+        QuantConfig("fp8", backend="kernels")
+
+
+def test_kernels_backend_int4_in_bf16_matches_its_groups_and_round_trips(tmp_path):
+    """int4-weight-only through Int4Linear in tinygemm's CPU layout (bf16; the CUDA default uses the
+    CUDA layout): against a float matmul over weights dequantized per group in the test, and a
+    save/load round trip; the file refuses a device type its packing was not made for."""
+    from torchkiln.quantization.weight_only import Int4Linear
+
+    m = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64)).eval().to(torch.bfloat16)
+    if not Int4Linear.fits_tinygemm(m[0], 128):
+        pytest.skip("this torch has no CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
+    x = torch.randn(6, 256).to(torch.bfloat16)
+    q = quiet(tk.quantize, m, "int4-weight-only", sample_input=x, progress=False, backend="kernels", group_size=128)
+    assert all(isinstance(q[i], Int4Linear) and q[i].tinygemm for i in (0, 2))
+    ref = x.float()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            w = layer.weight.float().view(layer.out_features, -1, 128)
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            step = ((hi - lo) / 15).clamp_min(1e-8)
+            deq = (((w - lo) / step).round().clamp(0, 15) * step + lo).view(layer.out_features, -1)
+            ref = ref @ deq.t() + layer.bias.float()
+        else:
+            ref = layer(ref)
+    assert float((q(x).float() - ref).norm() / ref.norm()) < 2e-2  # bf16 activations and scales
+    path = tmp_path / "q4.pt"
+    tk.quantization.save(q, path)
+    loaded = quiet(tk.quantization.load, m, path)
+    assert torch.equal(loaded(x), q(x))
+    blob = torch.load(path, weights_only=True)
+    assert json.loads(blob["manifest"])["packed_for"] == "cpu"
+    manifest = json.loads(blob["manifest"])
+    manifest["packed_for"] = "cuda"  # as a file written on a GPU reads
+    torch.save({**blob, "manifest": json.dumps(manifest)}, tmp_path / "gpu.pt")
+    with pytest.raises(ValueError, match="packed for cuda.*device='cuda'"):
+        tk.quantization.load(m, tmp_path / "gpu.pt")

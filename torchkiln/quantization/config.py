@@ -41,9 +41,9 @@ class QuantConfig:
             raise ValueError(f"scheme={self.scheme!r} is not a quantization scheme; use one of {', '.join(SCHEMES)}")
         if self.backend not in ("auto", "torchao", "pt2e", "kernels"):
             raise ValueError(f"backend={self.backend!r} is not one of 'auto', 'torchao', 'pt2e', 'kernels'")
-        if self.backend == "kernels" and self.scheme != "int8-weight-only":
-            raise ValueError(f"backend='kernels' serves int8-weight-only only, not {self.scheme!r}; use "
-                             "backend='auto'")
+        if self.backend == "kernels" and not self.scheme.endswith("-weight-only"):
+            raise ValueError(f"backend='kernels' serves int8-weight-only and int4-weight-only only, not "
+                             f"{self.scheme!r}; use backend='auto'")
         if self.scheme == "int4-weight-only" and self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size={self.group_size!r} is not supported for int4-weight-only; use one of "
                              f"{GROUP_SIZES}")

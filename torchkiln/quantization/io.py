@@ -61,7 +61,10 @@ def save(model: nn.Module, path, float_model: nn.Module | None = None, overwrite
             raise ValueError("float_model is not the model that was quantized (its state_dict names or shapes differ)")
     else:
         tensors = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
+    # int4 in tinygemm's layout is packed per device type (CUDA and CPU differ): the file says which
+    packed = next((b.device.type for n, b in model.named_buffers() if n.endswith("scale_zero")), None)
     manifest = {"config": qi.config.to_dict(), "backend": qi.backend, "report": qi.report.to_dict(),
+                "packed_for": packed,
                 "fingerprint": qi.fingerprint, "calibration": qi.calibration, "smoothing": qi.smoothing,
                 "alphas": qi.alphas,
                 "torch": torch.__version__}
@@ -108,6 +111,11 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
         pt2e_flow.load_observer_state(observed, qi.calibration)
         return QuantizedGraph(pt2e_flow.convert(observed), qi)
     if qi.backend == "kernels":
+        packed = manifest.get("packed_for")
+        if packed is not None and packed != dev.type:
+            raise ValueError(f"{path} holds int4 weights packed for {packed} (tinygemm's layout differs per device "
+                             f"type); load it with device={packed!r}, or quantize again for {dev.type}")
+        q = q.to(dev)
         weight_only.apply(q, config, dev)
     else:
         apply_torchao(q, config, dev)

@@ -48,9 +48,10 @@ def backend_for(config: QuantConfig, device: torch.device) -> str:
         return "pt2e"
     if config.scheme == "int8-dynamic" and device.type == "cpu":
         return "pt2e"
-    if config.scheme == "int8-weight-only" and device.type == "cuda":
-        # weight_only.py's Triton GEMV: torchao's int8 weight-only decoded Llama-3-8B at 136 tok/s on
-        # the H200 against 250 for it (benchmarks/RESULTS.md, LLM decode)
+    if config.scheme.endswith("-weight-only") and device.type == "cuda":
+        # weight_only.py's layers: torchao's int8 weight-only decoded Llama-3-8B at 136 tok/s on the
+        # H200 against 250 for the Triton GEMV, and its int4 tensor subclass at 130-180 against 277
+        # for the same tinygemm kernel on plain buffers (benchmarks/RESULTS.md, LLM decode)
         return "kernels"
     return "torchao"
 
@@ -101,6 +102,8 @@ def fast_here(scheme: str, device: torch.device, hw=None) -> tuple[bool, str]:
                            "quantization: use int8-dynamic or fp8")
         if scheme == "int8-weight-only":
             return True, "torchkiln's Triton int8 GEMV for up to 4 rows, a dequantizing matmul beyond"
+        if scheme == "int4-weight-only":
+            return True, "torch's tinygemm int4 kernel (bf16 models), torchkiln's Triton int4 GEMV otherwise"
         return True, "torchao CUDA kernels"
     if device.type != "cpu":
         return False, f"no quantized kernels for {device.type}; weight-only schemes save memory only"

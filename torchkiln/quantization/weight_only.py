@@ -1,6 +1,6 @@
 """Weight-only int8/int4 linears on plain buffers, and the kernels that serve them.
 
-Shared by tk.quantize (``int8-weight-only`` on CUDA: backend "kernels") and the LLM path
+Shared by tk.quantize (the weight-only schemes on CUDA: backend "kernels") and the LLM path
 (llm/quant.py). Which kernel serves a call:
 - CUDA int8, and int4 where tinygemm does not fit: calls of at most gemv.MAX_ROWS rows (decode,
   batch-1 inference) run the hand-written Triton GEMVs in gemv.py. torchao's Int8WeightOnlyConfig
@@ -22,6 +22,7 @@ from . import fallback, gemv
 from .config import QuantConfig
 
 TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multiple of 16 x this
+KERNEL_SCHEMES = ("int8-weight-only", "int4-weight-only")  # what backend "kernels" serves
 
 
 def cpu_kernels(weight: torch.Tensor) -> bool:
@@ -127,12 +128,17 @@ class Int4Linear(nn.Module):
 
 
 def apply(model: nn.Module, config: QuantConfig, device: torch.device) -> None:
-    """``int8-weight-only`` with the kernels above: each targeted Linear of ``model`` (torchkiln's
-    copy), the kept ones aside, becomes an Int8Linear on ``device``."""
-    if config.scheme != "int8-weight-only":
-        raise ValueError(f"backend 'kernels' serves int8-weight-only only, not {config.scheme!r}")
+    """The weight-only schemes with the layers above: each targeted Linear of ``model``
+    (torchkiln's copy), the kept ones aside, becomes an Int8Linear, or an Int4Linear in tinygemm's
+    layout where it fits (bf16 on CUDA or, with torch's CPU kernel, the CPU), on ``device``."""
+    if config.scheme not in KERNEL_SCHEMES:
+        raise ValueError(f"backend 'kernels' serves {' and '.join(KERNEL_SCHEMES)} only, not {config.scheme!r}")
     mods = dict(model.named_modules())
     for name in set(fallback.targets(model, config, "kernels")) - set(config.keep):
+        layer = mods[name].to(device)
+        if config.scheme == "int8-weight-only":
+            new = Int8Linear(layer)
+        else:
+            new = Int4Linear(layer, config.group_size, tinygemm=Int4Linear.fits_tinygemm(layer, config.group_size))
         parent, _, attr = name.rpartition(".")
-        layer = mods[name]
-        setattr(mods[parent] if parent else model, attr, Int8Linear(layer.to(device)).train(layer.training))
+        setattr(mods[parent] if parent else model, attr, new.train(layer.training))
