@@ -13,10 +13,13 @@ import torch
 
 import torchkiln as tk
 from torchkiln.llm import bench
+from torchkiln.llm.model import cublas_projections
 
 VARIANTS = {
     "cudagraphs": {"triton.cudagraphs": True},
     "cudagraphs+coordinate_descent": {"triton.cudagraphs": True, "coordinate_descent_tuning": True},
+    # as served, but the o and down projections left to inductor (plain nn.Linear, not CublasLinear)
+    "inductor-o-down": {"triton.cudagraphs": True, "coordinate_descent_tuning": True},
 }
 
 
@@ -37,6 +40,8 @@ def main():
     for name, opts in [(v, VARIANTS[v]) for v in a.variants.split(",") if v]:
         f = tk.llm.optimize(model, dtype=torch.bfloat16)
         f._kiln_runner.options = dict(opts)
+        if name == "inductor-o-down":
+            cublas_projections(f._kiln_runner.decoder, on=False)
         fasts[name] = f
     from torchkiln.llm import quant as llm_quant
 

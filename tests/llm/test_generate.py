@@ -312,6 +312,29 @@ def test_cpu_bf16_quant_serves_torchs_kernels_and_the_head():
     assert out.shape == (1, ids.shape[1] + 4)
 
 
+def test_cublas_projections_swap_modules_over_the_same_tensors():
+    """The CUDA decode step's o/down projections as CublasLinear (an opaque op): same weights (no
+    copy), the same output as F.linear, compiled too; on=False gives plain Linears back."""
+    from torchkiln.llm.model import CublasLinear, FastDecoder, cublas_projections
+    from torchkiln.llm.spec import read
+
+    model = build("llama", seed=27)
+    decoder = FastDecoder(*read(model))
+    before = [(layer.out.weight, layer.down.weight) for layer in decoder.layers]
+    assert cublas_projections(decoder) == 2 * len(decoder.layers)
+    for layer, (wo, wd) in zip(decoder.layers, before, strict=True):
+        assert type(layer.out) is CublasLinear and type(layer.down) is CublasLinear
+        assert layer.out.weight.data_ptr() == wo.data_ptr() and layer.down.weight.data_ptr() == wd.data_ptr()
+        assert type(layer.qkv) is torch.nn.Linear  # the norm-fused projections stay with inductor
+    out = decoder.layers[0].down
+    x = torch.randn(3, out.in_features)
+    ref = x @ out.weight.t() + (out.bias if out.bias is not None else 0)
+    assert torch.allclose(out(x), ref, atol=1e-6)
+    assert torch.allclose(torch.compile(out, fullgraph=True)(x), ref, atol=1e-6)
+    assert cublas_projections(decoder, on=False) == 2 * len(decoder.layers)
+    assert all(type(layer.out) is torch.nn.Linear for layer in decoder.layers)
+
+
 def test_gemv_routing_is_decided_by_device_and_rows():
     """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
     the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""

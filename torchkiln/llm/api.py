@@ -20,7 +20,7 @@ from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from .generate import Fallback, resolve, run
-from .model import FastDecoder
+from .model import FastDecoder, cublas_projections
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -153,6 +153,8 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport) 
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
                          f"{spec.max_positions}")
     decoder = FastDecoder(spec, parts)
+    if target.type == "cuda" and compile:
+        cublas_projections(decoder)
     runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)
     # an alias of the head weight: a real .to() gives the parameter new storage, the alias keeps
     # the old one; deepcopy clones each parameter on its own, which also shows here

@@ -11,6 +11,8 @@ is short of.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,10 +24,10 @@ def _weight(m: nn.Module, transposed: bool) -> torch.Tensor:
     return m.weight.t() if transposed else m.weight
 
 
-def linear_of(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An nn.Linear over existing tensors (no copy): torchao's quantize_ and the compiler both
-    want real nn.Linear modules."""
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+def linear_of(weight: torch.Tensor, bias: torch.Tensor | None, cls: type = nn.Linear) -> nn.Linear:
+    """An nn.Linear (or ``cls``, a subclass) over existing tensors (no copy): torchao's quantize_
+    and the compiler both want real nn.Linear modules."""
+    lin = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         lin.bias = nn.Parameter(bias, requires_grad=False)
@@ -55,6 +57,49 @@ def fuse(mods: list, transposed: bool) -> nn.Linear:
             m.bias = nn.Parameter(bias[row:row + n], requires_grad=m.bias.requires_grad)
         row += n
     return linear_of(weight, bias)
+
+
+@functools.cache
+def _register_linear() -> None:
+    """torchkiln::linear, F.linear as an op the compiler cannot look into (registered on first use)."""
+
+    @torch.library.custom_op("torchkiln::linear", mutates_args=())
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @linear.register_fake
+    def _(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class CublasLinear(nn.Linear):
+    """An nn.Linear the compiler keeps as one cuBLAS call. Why, for the CUDA decode step's output
+    and down projections: inductor turns batch-1 matmuls into Triton reductions with their
+    neighbours fused in, and for these two the fused kernels were slower than cuBLAS plus a
+    separate pointwise kernel (H200, Llama-3-8B bf16 profile: o 17.0 us with its residual add
+    against 13.3 for cuBLAS alone; down 39.9 us with SiLU x up against 31.5 + 1.4;
+    benchmarks/RESULTS.md). For q/k/v, gate/up and the head, whose fused neighbour is a norm,
+    the fused kernels were as fast, so those stay with inductor. Still an nn.Linear: weight-only
+    quantization replaces it like any other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.torchkiln.linear(x, self.weight, self.bias)
+
+
+def cublas_projections(decoder: nn.Module, on: bool = True) -> int:
+    """Make each layer's ``out`` and ``down`` a CublasLinear (``on=False``: a plain nn.Linear
+    again); returns how many changed. Same tensors, no copy."""
+    if on:
+        _register_linear()
+    kind = CublasLinear if on else nn.Linear
+    done = 0
+    for layer in decoder.layers:
+        for name in ("out", "down"):
+            m = getattr(layer, name)
+            if type(m) in (nn.Linear, CublasLinear) and type(m) is not kind:
+                setattr(layer, name, linear_of(m.weight, m.bias, kind))
+                done += 1
+    return done
 
 
 # Widest query (decode, speculation checks) that attends through grouped_attention on the CPU.
