@@ -3,6 +3,7 @@
     python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static, MiniLM bs16
     python benchmarks/quantization.py --part linear     # CUDA: weight-only int8/int4 linears, GB/s
     python benchmarks/quantization.py --part stack      # CUDA: a bs1 MLP stack through tk.optimize
+    python benchmarks/quantization.py --part cpu-wo     # CPU: weight-only schemes on a bf16 MLP, bs1
     python benchmarks/quantization.py --part fp8        # CUDA: bert-base bs64 fp8 vs torchkiln bf16
 
 CPU peers: eager fp32; the stock int8 flow as torchao's pt2e tutorial builds it
@@ -148,6 +149,34 @@ def stack_part(budget):
         print(f"  {n:32s} {v * 1e3:8.1f} us  {ms['bf16'] / v:5.2f}x bf16  served: {fns[n].kiln_report.active}")
 
 
+def cpu_weight_only_part(budget):
+    """Weight-only schemes on the CPU, bs1, a bf16 MLP stack (46 MB of bf16 weights, past the L3),
+    eager, interleaved: torchao's configs against torchkiln's layers (backend "kernels": torch's
+    _weight_int8pack_mm / _weight_int4pack_mm_for_cpu), with dense fp32 and bf16 as the yardsticks."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(1024, 2816), torch.nn.GELU(), torch.nn.Linear(2816, 1024))
+              for _ in range(4)]
+    fp32 = torch.nn.Sequential(*blocks).eval()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    x = torch.randn(1, 1024)
+    fns = {"dense fp32": (fp32, x), "dense bf16": (bf16, x.bfloat16())}
+    for scheme in ("int8-weight-only", "int4-weight-only"):
+        for backend in ("torchao", "kernels"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                q = tk.quantize(bf16, scheme, progress=False, backend=backend)
+            fns[f"{scheme} bf16 ({backend})"] = (q, x.bfloat16())
+    with torch.no_grad():
+        for m, a in fns.values():
+            m(a)
+        t = interleaved({n: (lambda m=m, a=a: m(a)) for n, (m, a) in fns.items()}, torch.device("cpu"),
+                        budget * 3, min_rounds=7, prune=100)
+    ms = {n: statistics.median(v) * 1e3 for n, v in t.items()}
+    print("\n4 x (1024 -> 2816 -> 1024) MLP blocks, bs1, eager (median ms per call):")
+    for n, v in ms.items():
+        print(f"  {n:36s} {v:8.3f} ms  {ms['dense fp32'] / v:5.2f}x fp32  {ms['dense bf16'] / v:5.2f}x bf16")
+
+
 def fp8_part(budget):
     from torchkiln.zoo import load
 
@@ -173,13 +202,14 @@ def fp8_part(budget):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("cpu", "linear", "stack", "fp8"), default="cpu")
+    p.add_argument("--part", choices=("cpu", "cpu-wo", "linear", "stack", "fp8"), default="cpu")
     p.add_argument("--budget", type=float, default=3.0)
     a = p.parse_args(argv)
     print(f"# {datetime.date.today()} torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{torch.cuda.get_device_name() if a.part != 'cpu' else 'cpu'}; python benchmarks/quantization.py "
+          f"{'cpu' if a.part.startswith('cpu') else torch.cuda.get_device_name()}; python benchmarks/quantization.py "
           + " ".join(sys.argv[1:]))
-    {"cpu": cpu_part, "linear": linear_part, "stack": stack_part, "fp8": fp8_part}[a.part](a.budget)
+    {"cpu": cpu_part, "cpu-wo": cpu_weight_only_part, "linear": linear_part, "stack": stack_part,
+     "fp8": fp8_part}[a.part](a.budget)
 
 
 if __name__ == "__main__":

@@ -414,3 +414,18 @@ def test_kernels_backend_int4_in_bf16_matches_its_groups_and_round_trips(tmp_pat
     torch.save({**blob, "manifest": json.dumps(manifest)}, tmp_path / "gpu.pt")
     with pytest.raises(ValueError, match="packed for cuda.*device='cuda'"):
         tk.quantization.load(m, tmp_path / "gpu.pt")
+
+
+def test_cpu_weight_only_backend_follows_the_model_dtype():
+    """On the CPU a bf16 model's weight-only schemes take torchkiln's layers (torch's CPU kernels),
+    a float32 model's stay with torchao; the output of the bf16 one is checked against its model."""
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    x = data(1, seed=11)[0]
+    fp32 = quiet(tk.quantize, mlp(), "int8-weight-only", sample_input=x, progress=False)
+    assert tk.quantization.info(fp32).backend == "torchao"
+    half = mlp().to(torch.bfloat16)
+    q = quiet(tk.quantize, half, "int8-weight-only", sample_input=x.bfloat16(), progress=False)
+    assert tk.quantization.info(q).backend == "kernels"
+    assert all(isinstance(q[i], Int8Linear) and q[i].cpu_kernel for i in (0, 2, 4))
+    assert sqnr_db(half(x.bfloat16()).float(), q(x.bfloat16()).float()) > 25

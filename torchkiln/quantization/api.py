@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import inputs
 from .._log import warn_once
-from ..modelutil import model_device
+from ..modelutil import model_device, model_dtype
 from . import calibrate, fallback, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
 from .config import QuantConfig, make
@@ -151,11 +151,11 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
 
 
 def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
-    _warn_if_slow(config, dev)
+    _warn_if_slow(config, dev, model_dtype(model))
     was_training = model.training
     model.eval()
     try:
-        return Prepared(model, config, backend_for(config, dev), dev, sample)
+        return Prepared(model, config, backend_for(config, dev, model_dtype(model)), dev, sample)
     finally:
         model.train(was_training)
 
@@ -187,7 +187,7 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
                          "one batch (a list of tensors, tuples or dicts), got "
                          + ("nothing" if calib_data is None else "an empty iterable"))
     dev = torch.device(device) if device is not None else model_device(model)
-    names = fallback.targets(model, config, backend_for(config, dev))
+    names = fallback.targets(model, config, backend_for(config, dev, model_dtype(model)))
     if not names:
         warn_once(f"noquant:{type(model).__name__}", f"torchkiln: {type(model).__name__} has no layer "
                   f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''}); returned unchanged")
@@ -295,10 +295,10 @@ def info(model: nn.Module) -> QuantInfo | None:
     return getattr(model, "kiln_quant", None) if isinstance(getattr(model, "kiln_quant", None), QuantInfo) else None
 
 
-def _warn_if_slow(config: QuantConfig, device: torch.device) -> None:
+def _warn_if_slow(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None) -> None:
     from ..hardware import detect
 
-    fast, why = fast_here(config.scheme, device, detect())
+    fast, why = fast_here(config.scheme, device, detect(), dtype)
     if not fast:
         warn_once(f"slow:{config.scheme}:{device.type}",
                   f"torchkiln: {config.scheme} has no fast kernel on this {device.type}: {why}")

@@ -41,7 +41,8 @@ def torchao():
     return q
 
 
-def backend_for(config: QuantConfig, device: torch.device) -> str:
+def backend_for(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The flow for a scheme on a device, for a model whose floating dtype is ``dtype``."""
     if config.backend != "auto":
         return config.backend
     if config.static:
@@ -53,7 +54,15 @@ def backend_for(config: QuantConfig, device: torch.device) -> str:
         # H200 against 250 for the Triton GEMV, and its int4 tensor subclass at 130-180 against 277
         # for the same tinygemm kernel on plain buffers (benchmarks/RESULTS.md, LLM decode)
         return "kernels"
+    if config.scheme.endswith("-weight-only") and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
+        # torch's CPU weight-only kernels on plain buffers (weight_only.cpu_kernels). A bf16 MLP at bs1
+        # on the AVX2 dev CPU: int8 2.81 ms against torchao's 6.31, int4 2.42 against 2.79, dense bf16
+        # 3.12 (benchmarks/quantization.py --part cpu-wo; RESULTS.md)
+        return "kernels"
     return "torchao"
+
+
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # models whose CPU weight-only layers are torchkiln's
 
 
 def torchao_config(config: QuantConfig, device: torch.device):
@@ -84,9 +93,10 @@ def torchao_config(config: QuantConfig, device: torch.device):
     raise ValueError(f"scheme {s!r} does not run through torchao's quantize_")
 
 
-def fast_here(scheme: str, device: torch.device, hw=None) -> tuple[bool, str]:
+def fast_here(scheme: str, device: torch.device, hw=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """(fast, why) for a scheme on a device; ``why`` suggests the scheme that is fast when not.
-    ``hw``: the Hardware model (its probed CUDA capability is used, so no CUDA call is made here)."""
+    ``hw``: the Hardware model (its probed CUDA capability is used, so no CUDA call is made here);
+    ``dtype``: the model's floating dtype, where known."""
     if device.type == "cuda":
         acc = hw.accelerator(f"cuda:{device.index or 0}") if hw is not None else None
         cap = getattr(acc, "capability", None) if acc is not None else None
@@ -117,7 +127,9 @@ def fast_here(scheme: str, device: torch.device, hw=None) -> tuple[bool, str]:
     if scheme == "int8-dynamic":
         return (int8_dot, "oneDNN int8 kernels with VNNI" if int8_dot else
                 "without VNNI/AMX int8-dynamic is no faster than fp32 (MiniLM bs16: 206 vs 197 ms); use int8-static")
-    # weight-only: a win where decoding is memory-bound, with AVX-512 kernels
+    if dtype in CPU_KERNEL_DTYPES:
+        return True, "torch's CPU weight-only kernels on plain buffers (bf16/fp16 activations)"
+    # weight-only on a float32 model: a win where decoding is memory-bound, with AVX-512 kernels
     return (avx512, "weight-only GEMV kernels (memory-bound decoding)" if avx512 else
             "without AVX-512 the weight-only kernels are slower than fp32 (int4 bs1 MLP: 9.8 vs 1.7 ms); "
             "use int8-static")

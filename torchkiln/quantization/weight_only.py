@@ -20,6 +20,7 @@ from torch import nn
 
 from . import fallback, gemv
 from .config import QuantConfig
+from .schemes import CPU_KERNEL_DTYPES
 
 TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multiple of 16 x this
 KERNEL_SCHEMES = ("int8-weight-only", "int4-weight-only")  # what backend "kernels" serves
@@ -32,7 +33,7 @@ def cpu_kernels(weight: torch.Tensor) -> bool:
     from DRAM, against dense bf16: int8 1.12-1.52x at one row and 2.6-3.0x at four, int4 1.05-1.53x
     and 2.3-2.8x; in float32 the int8 kernel ran 0.12-0.42x dense float32, so float32 layers keep the
     expression (benchmarks/llm_gemv_cpu.py; RESULTS.md, "LLM decode on the CPU, 2026-11-22")."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+    return weight.device.type == "cpu" and weight.dtype in CPU_KERNEL_DTYPES
 
 
 class Int8Linear(nn.Module):
