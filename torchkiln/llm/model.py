@@ -111,7 +111,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """Attention of a few queries over the whole cache as two batched matmuls and a float32 softmax,
     the query heads of each KV head stacked into one matrix (no cache copy for GQA). Why not SDPA on
     the CPU: its flash kernel took 411 us per call for one query over a 256-slot cache in
-    llama-350m's bf16 decode here, a quarter of the step (torch.profiler, benchmarks/RESULTS.md, "LLM
+    llama-350m's bf16 decode here, 15% of the profiled time (torch.profiler, benchmarks/RESULTS.md, "LLM
     decode on the CPU"). Every row sees at least its own slot (FastDecoder's mask), so no row is
     fully masked. q (B, H, T, D); k, v (B, KV, S, D); mask (B or 1, 1, T, S), True = attend."""
     B, H, T, D = q.shape

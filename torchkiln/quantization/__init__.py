@@ -2,7 +2,8 @@
 
 Schemes (config.SCHEMES): int8-dynamic, int8-static, int8-smoothquant, int8-weight-only,
 int4-weight-only, fp8. Built on torchao (quantize_ configs, the pt2e X86InductorQuantizer
-flow); see docs/quantization.md.
+flow), with torchkiln's own weight-only layers where torchao's were slower (weight_only.py);
+see docs/quantization.md.
 """
 
 from .accuracy import AccuracyReport

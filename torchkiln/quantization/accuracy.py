@@ -86,8 +86,8 @@ def sqnr(ref: torch.Tensor, q: torch.Tensor) -> float:
 def padding_mask(batch) -> torch.Tensor | None:
     """The real (non-padding) positions of an input batch ``(args, kwargs)``: its 2-D
     ``attention_mask`` keyword as bool, else None."""
-    mask = batch[1].get("attention_mask") if isinstance(batch, tuple) and len(batch) == 2 and \
-        isinstance(batch[1], dict) else None
+    kwargs = batch[1] if isinstance(batch, tuple) and len(batch) == 2 else None
+    mask = kwargs.get("attention_mask") if isinstance(kwargs, dict) else None
     return mask.detach().cpu().bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 

@@ -151,11 +151,12 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
 
 
 def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
-    _warn_if_slow(config, dev, model_dtype(model))
+    dtype = model_dtype(model)
+    _warn_if_slow(config, dev, dtype)
     was_training = model.training
     model.eval()
     try:
-        return Prepared(model, config, backend_for(config, dev, model_dtype(model)), dev, sample)
+        return Prepared(model, config, backend_for(config, dev, dtype), dev, sample)
     finally:
         model.train(was_training)
 
@@ -247,10 +248,7 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
         qmodel = QuantizedGraph(pt2e_flow.convert(observed), info)
     else:
         qmodel = copy.deepcopy(model).eval()
-        if backend == "kernels":
-            weight_only.apply(qmodel, config, dev)
-        else:
-            apply_torchao(qmodel, config, dev)
+        apply_layers(qmodel, config, dev, backend)
         qmodel.kiln_quant = info
     names = fallback.targets(model, config, backend)
     info.report.kept = [n for n in names if n in config.keep] + [n for n in config.keep if n not in names]
@@ -259,6 +257,15 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
         outs = calibrate.run(qmodel, evals, dev, "measuring accuracy", show=False)
         info.report.outputs = measure(refs, outs, [padding_mask(b) for b in evals])
     return qmodel, info.report
+
+
+def apply_layers(model: nn.Module, config: QuantConfig, device: torch.device, backend: str) -> None:
+    """Quantize ``model``'s layers in place (torchkiln's copy) with a layer-swapping backend:
+    torchkiln's weight-only layers ("kernels") or torchao's quantize_ ("torchao")."""
+    if backend == "kernels":
+        weight_only.apply(model, config, device)
+    else:
+        apply_torchao(model, config, device)
 
 
 def apply_torchao(model: nn.Module, config: QuantConfig, device: torch.device) -> None:

@@ -6,9 +6,9 @@ One file, written with ``torch.save`` and read with ``torch.load(weights_only=Tr
      "manifest": "<JSON: config, backend, accuracy report, model fingerprint, calibration, smoothing>",
      "tensors": {name: tensor}}
 
-- torchao schemes (weight-only, fp8, int8-dynamic on CUDA) and the kernels backend (int8-weight-only
-  on CUDA: int8 weights, scales and biases as plain tensors): ``tensors`` is the quantized model's
-  state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
+- torchao schemes (fp8, int8-dynamic on CUDA, weight-only on float32 CPU models) and the kernels
+  backend (weight-only on CUDA and on bf16/fp16 CPU models: int8 weights, scales, biases and
+  tinygemm-packed int4 as plain tensors): ``tensors`` is the quantized model's state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
   (torchao registers them), so no arbitrary object is unpickled.
 - pt2e schemes (CPU int8-static/-smoothquant/-dynamic): ``tensors`` holds the float weights
   and the export example; the observers' state is JSON in the manifest. Loading re-exports the
@@ -28,9 +28,9 @@ import os
 import torch
 from torch import nn
 
-from . import pt2e_flow, smoothquant, weight_only
+from . import pt2e_flow, smoothquant
 from .accuracy import AccuracyReport, OutputAccuracy
-from .api import Prepared, QuantInfo, QuantizedGraph, _observed, apply_torchao, info
+from .api import Prepared, QuantInfo, QuantizedGraph, _observed, apply_layers, info
 from .config import QuantConfig
 
 FORMAT = "torchkiln.quantized/1"
@@ -116,9 +116,7 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
             raise ValueError(f"{path} holds int4 weights packed for {packed} (tinygemm's layout differs per device "
                              f"type); load it with device={packed!r}, or quantize again for {dev.type}")
         q = q.to(dev)
-        weight_only.apply(q, config, dev)
-    else:
-        apply_torchao(q, config, dev)
+    apply_layers(q, config, dev, qi.backend)
     try:
         q.load_state_dict(weights, strict=True, assign=True)
     except Exception as e:
