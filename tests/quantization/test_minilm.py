@@ -1,6 +1,6 @@
 """Accuracy on real weights: all-MiniLM-L6-v2, mean-pooled embeddings of 240 real sentences,
-each scheme alone (auto_fallback off), against fp32. Thresholds from the quantization issue;
-int4 is held to what it reaches (see the test)."""
+each scheme alone (auto_fallback off), against fp32. Thresholds from the quantization issue.
+Calibration uses the first 128 sentences; int4 is also checked on the other 112 alone."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ def setup():
     return model, data, minilm.embed(model, data)
 
 
-def cosine(setup, scheme, **opts) -> float:
+def cosine(setup, scheme, held_out: bool = False, **opts) -> float:
     model, data, ref = setup
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         q = tk.quantize(model, scheme, calib_data=data[:8], progress=False, auto_fallback=False, **opts)
+    if held_out:  # sentences the calibration never saw
+        return minilm.mean_cosine(minilm.embed(q, data[8:]), ref[8 * len(data[0]["input_ids"]):])
     return minilm.mean_cosine(minilm.embed(q, data), ref)
 
 
@@ -45,6 +47,8 @@ def test_int8_schemes(setup):
 
 
 def test_int4_weight_only(setup):
-    # The issue asks >= 0.995; group-32 int4 on MiniLM's 384-wide layers reaches 0.974
-    # (torchao's tinygemm qparams; HQQ 0.979) without keeping layers in floating point.
-    assert cosine(setup, "int4-weight-only", group_size=32) >= 0.97
+    # The issue asks >= 0.995. Rounding to nearest (gptq=False) reaches 0.974 at groups of 32; GPTQ, on by
+    # default when calibration data is given, 0.9960 on all 240 sentences and 0.9935 on the 112 it never saw.
+    assert cosine(setup, "int4-weight-only", group_size=32) >= 0.995
+    assert cosine(setup, "int4-weight-only", held_out=True, group_size=32) >= 0.99
+    assert cosine(setup, "int4-weight-only", group_size=32, gptq=False) >= 0.97

@@ -417,13 +417,16 @@ def test_kernels_backend_int4_in_bf16_matches_its_groups_and_round_trips(tmp_pat
 
 
 def test_cpu_weight_only_backend_follows_the_model_dtype():
-    """On the CPU a bf16 model's weight-only schemes take torchkiln's layers (torch's CPU kernels),
-    a float32 model's stay with torchao; the output of the bf16 one is checked against its model."""
+    """On the CPU a bf16 model's weight-only schemes take torchkiln's layers (torch's CPU kernels);
+    a float32 model's int8 stays with torchao and its int4 takes torchkiln's layers (torchao's CPU
+    int4 ran MiniLM 50x slower than fp32); the output of the bf16 one is checked against its model."""
     from torchkiln.quantization.weight_only import Int8Linear
 
     x = data(1, seed=11)[0]
     fp32 = quiet(tk.quantize, mlp(), "int8-weight-only", sample_input=x, progress=False)
     assert tk.quantization.info(fp32).backend == "torchao"
+    fp32_int4 = quiet(tk.quantize, mlp(), "int4-weight-only", sample_input=x, group_size=32, progress=False)
+    assert tk.quantization.info(fp32_int4).backend == "kernels"
     half = mlp().to(torch.bfloat16)
     q = quiet(tk.quantize, half, "int8-weight-only", sample_input=x.bfloat16(), progress=False)
     assert tk.quantization.info(q).backend == "kernels"

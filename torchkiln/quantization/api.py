@@ -23,7 +23,7 @@ from torch import nn
 from .. import inputs
 from .._log import warn_once
 from ..modelutil import model_device, model_dtype
-from . import calibrate, fallback, pt2e_flow, smoothquant, weight_only
+from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
 from .config import QuantConfig, make
 from .schemes import _quiet_torchao, backend_for, fast_here, torchao, torchao_config
@@ -87,6 +87,7 @@ class Prepared(nn.Module):
         object.__setattr__(self, "seen", [])
         object.__setattr__(self, "smoothing", {})
         object.__setattr__(self, "alphas", {})  # alpha="auto": module -> chosen alpha (None: not smoothed)
+        object.__setattr__(self, "codes", {})  # gptq=True: module -> its layer's codes (kept across fallback trials)
         self.observed = None
         if backend == "pt2e":
             if sample is None:
@@ -167,13 +168,13 @@ def convert(prepared: Prepared, eval_data=None, progress: bool = True) -> nn.Mod
         raise TypeError(f"convert() expects the result of tk.quantization.prepare(), got {type(prepared).__name__}")
     config = prepared.config
     data = prepared.seen
-    if config.static and not data and not getattr(prepared, "calibrated_from_file", False):
+    if config.needs_calibration and not data and not getattr(prepared, "calibrated_from_file", False):
         raise ValueError(f"scheme {config.scheme!r} needs calibration: call the prepared model on some batches "
                          "(or pass calib_data= to tk.quantize) before convert()")
     evals = calibrate.batches(eval_data, "eval_data") if eval_data is not None else data[:EVAL_BATCHES]
     if not evals and prepared.sample is not None:
         evals = [prepared.sample]
-    return _convert(prepared, config, data, evals, progress, first=True)
+    return _convert(prepared, _resolved(config, prepared.backend, bool(data)), data, evals, progress, first=True)
 
 
 def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_data=None, device=None,
@@ -183,11 +184,12 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
         raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
     config = make(scheme, **options)
     data = calibrate.batches(calib_data, "calib_data")
-    if config.static and not data:
-        raise ValueError(f"scheme {config.scheme!r} calibrates activation ranges: calib_data must hold at least "
-                         "one batch (a list of tensors, tuples or dicts), got "
-                         + ("nothing" if calib_data is None else "an empty iterable"))
+    if config.needs_calibration and not data:
+        what = "chooses its rounding from the inputs (gptq=True)" if config.gptq else "calibrates activation ranges"
+        raise ValueError(f"scheme {config.scheme!r} {what}: calib_data must hold at least one batch (a list of "
+                         "tensors, tuples or dicts), got " + ("nothing" if calib_data is None else "an empty iterable"))
     dev = torch.device(device) if device is not None else model_device(model)
+    config = _resolved(config, backend_for(config, dev, model_dtype(model)), bool(data))
     names = fallback.targets(model, config, backend_for(config, dev, model_dtype(model)))
     if not names:
         warn_once(f"noquant:{type(model).__name__}", f"torchkiln: {type(model).__name__} has no layer "
@@ -201,6 +203,13 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     evals = calibrate.batches(eval_data, "eval_data") if eval_data is not None else \
         (data[:EVAL_BATCHES] or ([sample] if sample is not None else []))
     return _convert(prepared, prepared.config, data, evals, progress, first=True)
+
+
+def _resolved(config: QuantConfig, backend: str, calibrated: bool) -> QuantConfig:
+    """gptq=None made concrete: on for int4-weight-only with calibration data on torchkiln's layers."""
+    if config.gptq is not None:
+        return config
+    return config.replace(gptq=config.scheme == "int4-weight-only" and backend == "kernels" and calibrated)
 
 
 def _resmoothed(prepared: Prepared, data) -> Prepared:
@@ -248,7 +257,7 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
         qmodel = QuantizedGraph(pt2e_flow.convert(observed), info)
     else:
         qmodel = copy.deepcopy(model).eval()
-        apply_layers(qmodel, config, dev, backend)
+        apply_layers(qmodel, config, dev, backend, _gptq_codes(prepared, config, data, progress))
         qmodel.kiln_quant = info
     names = fallback.targets(model, config, backend)
     info.report.kept = [n for n in names if n in config.keep] + [n for n in config.keep if n not in names]
@@ -259,11 +268,25 @@ def _attempt(prepared: Prepared, config: QuantConfig, data, evals, refs, progres
     return qmodel, info.report
 
 
-def apply_layers(model: nn.Module, config: QuantConfig, device: torch.device, backend: str) -> None:
+def _gptq_codes(prepared: Prepared, config: QuantConfig, data, progress: bool) -> dict | None:
+    """gptq=True: the codes of every layer quantized, computed once per layer (fallback trials reuse them)."""
+    if not config.gptq:
+        return None
+    names = [n for n in fallback.targets(prepared.float_model, config, "kernels")
+             if n not in config.keep and n not in prepared.codes]
+    if names:
+        prepared.codes.update(gptq.codes_for(prepared.float_model, names, config.scheme, config.group_size, data,
+                                             prepared.device, show=progress))
+    return prepared.codes
+
+
+def apply_layers(model: nn.Module, config: QuantConfig, device: torch.device, backend: str,
+                 codes: dict | None = None) -> None:
     """Quantize ``model``'s layers in place (torchkiln's copy) with a layer-swapping backend:
-    torchkiln's weight-only layers ("kernels") or torchao's quantize_ ("torchao")."""
+    torchkiln's weight-only layers ("kernels", with GPTQ's ``codes`` where given) or torchao's
+    quantize_ ("torchao")."""
     if backend == "kernels":
-        weight_only.apply(model, config, device)
+        weight_only.apply(model, config, device, codes)
     else:
         apply_torchao(model, config, device)
 

@@ -45,6 +45,8 @@ def backend_for(config: QuantConfig, device: torch.device, dtype: torch.dtype | 
     """The flow for a scheme on a device, for a model whose floating dtype is ``dtype``."""
     if config.backend != "auto":
         return config.backend
+    if config.gptq:  # GPTQ's codes go into torchkiln's own weight-only layers
+        return "kernels"
     if config.static:
         return "pt2e"
     if config.scheme == "int8-dynamic" and device.type == "cpu":
@@ -53,6 +55,10 @@ def backend_for(config: QuantConfig, device: torch.device, dtype: torch.dtype | 
         # weight_only.py's layers: torchao's int8 weight-only decoded Llama-3-8B at 136 tok/s on the
         # H200 against 250 for the Triton GEMV, and its int4 tensor subclass at 130-180 against 277
         # for the same tinygemm kernel on plain buffers (benchmarks/RESULTS.md, LLM decode)
+        return "kernels"
+    if config.scheme == "int4-weight-only" and device.type == "cpu":
+        # float32 models too: torchao's int4 on the CPU ran MiniLM (float32, bs16) at 12.0 s a call, torchkiln's
+        # Int4Linear at 0.23 s against fp32's 0.20 (benchmarks/quantize_minilm.py --speed; RESULTS.md, "GPTQ")
         return "kernels"
     if config.scheme.endswith("-weight-only") and device.type == "cpu" and dtype in CPU_KERNEL_DTYPES:
         # torch's CPU weight-only kernels on plain buffers (weight_only.cpu_kernels). A bf16 MLP at bs1
@@ -129,6 +135,10 @@ def fast_here(scheme: str, device: torch.device, hw=None, dtype: torch.dtype | N
                 "without VNNI/AMX int8-dynamic is no faster than fp32 (MiniLM bs16: 206 vs 197 ms); use int8-static")
     if dtype in CPU_KERNEL_DTYPES:
         return True, "torch's CPU weight-only kernels on plain buffers (bf16/fp16 activations)"
+    if scheme == "int4-weight-only":  # float32 (or unknown) models: the dequantizing expression
+        return False, ("a float32 model's int4 layers dequantize inside the matmul on the CPU, which saves memory "
+                       "but is no faster than float32 (MiniLM bs16: 0.23 vs 0.20 s); cast the model to bfloat16 "
+                       "for torch's int4 kernel, or use int8-static")
     # weight-only on a float32 model: a win where decoding is memory-bound, with AVX-512 kernels
     return (avx512, "weight-only GEMV kernels (memory-bound decoding)" if avx512 else
             "without AVX-512 the weight-only kernels are slower than fp32 (int4 bs1 MLP: 9.8 vs 1.7 ms); "

@@ -36,18 +36,36 @@ def cpu_kernels(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in CPU_KERNEL_DTYPES
 
 
-class Int8Linear(nn.Module):
-    """int8 weights, one scale per output channel: ``y = (x @ q.T) * scale + bias``."""
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """Int8Linear's grid: one symmetric scale per output channel (float32)."""
+    return w.detach().float().abs().amax(dim=1).clamp_min(1e-8) / 127.0
 
-    def __init__(self, linear: nn.Linear):
+
+def int4_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Linear's grid: per group of ``group`` inputs, (scale, lo) with ``w = q * scale + lo``,
+    q in 0-15 spanning the group's min to max (float32, [n, k // group] each)."""
+    n, k = w.shape
+    g = w.detach().float().view(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    return ((hi - lo) / 15).clamp_min(1e-8), lo
+
+
+class Int8Linear(nn.Module):
+    """int8 weights, one scale per output channel: ``y = (x @ q.T) * scale + bias``. ``codes``:
+    (int8 codes, scales) chosen elsewhere (GPTQ) on this grid; by default the nearest values."""
+
+    def __init__(self, linear: nn.Linear, codes: tuple | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = gemv.wanted(linear.weight)  # the Triton GEMV serves CUDA decode
         self.cpu_kernel = cpu_kernels(linear.weight)  # torch's int8 kernel serves the CPU in bf16/fp16
-        w = linear.weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        if codes is None:
+            scales = int8_scales(linear.weight)
+            q = torch.round(linear.weight.detach().float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        else:
+            q, scales = codes
+        self.register_buffer("weight", q.to(linear.weight.device))
+        self.register_buffer("scales", scales.to(linear.weight.device, linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,19 +90,23 @@ class Int4Linear(nn.Module):
     kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
     value of q = 8 (``zero + 8 * scale`` here), for every call. Otherwise two values per byte: in each group the low nibbles hold its first half of
     columns, the high nibbles its second half (the layout the Triton GEMV reads; see gemv.py);
-    elsewhere unpacked and scaled inside the matmul expression like Int8Linear."""
+    elsewhere unpacked and scaled inside the matmul expression like Int8Linear. ``codes``:
+    (uint8 codes [n, k], scale, lo) chosen elsewhere (GPTQ) on int4_grid's grid; by default the
+    nearest values."""
 
-    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False):
+    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False, codes: tuple | None = None):
         super().__init__()
         self.in_features = linear.in_features
         self.tinygemm = tinygemm
         self.kernel = not tinygemm and gemv.wanted(linear.weight)
-        w = linear.weight.detach().float()
-        n, k = w.shape
-        g = w.view(n, k // group, group)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-8)
-        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        n, k = linear.weight.shape
+        if codes is None:
+            scale, lo = int4_grid(linear.weight, group)
+            g = linear.weight.detach().float().view(n, k // group, group)
+            q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        else:
+            q, scale, lo = (t.to(linear.weight.device) for t in codes)
+            q = q.view(n, k // group, group)
         if tinygemm:
             q = q.view(n, k)
             if linear.weight.is_cuda:
@@ -128,18 +150,21 @@ class Int4Linear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
 
-def apply(model: nn.Module, config: QuantConfig, device: torch.device) -> None:
+def apply(model: nn.Module, config: QuantConfig, device: torch.device, codes: dict | None = None) -> None:
     """The weight-only schemes with the layers above: each targeted Linear of ``model``
     (torchkiln's copy), the kept ones aside, becomes an Int8Linear, or an Int4Linear in tinygemm's
-    layout where it fits (bf16 on CUDA or, with torch's CPU kernel, the CPU), on ``device``."""
+    layout where it fits (bf16 on CUDA or, with torch's CPU kernel, the CPU), on ``device``.
+    ``codes``: name -> the layer's codes (gptq.codes_for); other layers round to nearest."""
     if config.scheme not in KERNEL_SCHEMES:
         raise ValueError(f"backend 'kernels' serves {' and '.join(KERNEL_SCHEMES)} only, not {config.scheme!r}")
     mods = dict(model.named_modules())
     for name in set(fallback.targets(model, config, "kernels")) - set(config.keep):
         layer = mods[name].to(device)
+        mine = (codes or {}).get(name)
         if config.scheme == "int8-weight-only":
-            new = Int8Linear(layer)
+            new = Int8Linear(layer, codes=mine)
         else:
-            new = Int4Linear(layer, config.group_size, tinygemm=Int4Linear.fits_tinygemm(layer, config.group_size))
+            new = Int4Linear(layer, config.group_size, tinygemm=Int4Linear.fits_tinygemm(layer, config.group_size),
+                             codes=mine)
         parent, _, attr = name.rpartition(".")
         setattr(mods[parent] if parent else model, attr, new.train(layer.training))
