@@ -27,8 +27,16 @@ def plan(qi: QuantInfo, device: str, level: str) -> Recipe:
     notes = [f"quantized model ({qi.config.scheme} via {qi.backend}): served at the precision it was quantized in",
              "inductor freezing lowers q/dq pairs to oneDNN int8 kernels" if cpu else
              "inductor without freezing: torchao's tensor subclasses bring their kernels"]
+    options = (("freezing", True),) if cpu else ()
+    if cpu and qi.backend == "pt2e":
+        # inductor's C++ wrapper calls the int8 kernels without Python between them: the same int8-static
+        # graph, bs1, one process, interleaved: resnet50 38.7 -> 35.8 ms (1.08x), bert-base 126.7 -> 122.0
+        # (1.04x), outputs identical (benchmarks/diag_quant_wrapper.py; RESULTS.md). Compiling takes
+        # ~20 s longer on 2 cores. The stock candidate (same graph, no wrapper) still competes.
+        options += (("cpp_wrapper", True),)
+        notes.append("inductor's C++ wrapper between the int8 kernels")
     return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=(quant,),
-                  compile=level != "O0", compile_options=(("freezing", True),) if cpu else (), notes=tuple(notes))
+                  compile=level != "O0", compile_options=options, notes=tuple(notes))
 
 
 def tolerances(qi: QuantInfo, n: int) -> list[float]:
