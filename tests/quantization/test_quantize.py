@@ -445,3 +445,18 @@ def test_cpu_plan_adds_the_cpp_wrapper_for_pt2e_graphs_only():
     assert dict(plan(static.kiln_quant, "cpu", "O1").compile_options) == {"freezing": True, "cpp_wrapper": True}
     assert dict(plan(wo.kiln_quant, "cpu", "O1").compile_options) == {"freezing": True}
     assert dict(plan(static.kiln_quant, "cuda", "O1").compile_options) == {}
+
+
+def test_static_int8_calibrated_at_batch_1_serves_other_batch_sizes():
+    """Export specializes size-1 dimensions: a model quantized from batch-1 samples used to accept batch 1
+    only (the zoo resnet50 raised "Guard failed: x.size()[0] == 1" at batch 2)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
+    calib = [torch.randn(1, 3, 16, 16) for _ in range(4)]
+    q = quiet(tk.quantize, net, "int8-static", calib_data=calib, progress=False)
+    assert q.kiln_quant.report.quantized == 3
+    for b in (1, 3):
+        x = torch.randn(b, 3, 16, 16)
+        with torch.no_grad():
+            assert sqnr_db(net(x), q(x)) > 25

@@ -40,13 +40,25 @@ def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
 
     dyn = (tuple(spec(a) for a in args) if not kwargs
            else {**_arg_names(model, args), **{k: spec(v) for k, v in kwargs.items()}})
-    for strict in (True, False):
-        try:
-            ep = torch.export.export(model, args, kwargs, strict=strict, dynamic_shapes=dyn)
-            return ep.module(), True
-        except Exception:  # the next way; last, calibrated shapes only
-            continue
+    for a, k in (_widened(sample), sample) if _widened(sample) is not None else (sample,):
+        for strict in (True, False):
+            try:
+                ep = torch.export.export(model, a, k, strict=strict, dynamic_shapes=dyn)
+                return ep.module(), True
+            except Exception:  # the next way; last, calibrated shapes only
+                continue
     return torch.export.export(model, args, kwargs, strict=False).module(), False
+
+
+def _widened(sample: inputs.Args) -> inputs.Args | None:
+    """A batch-1 sample repeated to batch 2, or None if it is not one batch-1 sample. Export
+    specializes every size-1 dimension, so a model exported from a batch-1 sample accepted batch 1
+    only (zoo resnet50: "Guard failed: x.size()[0] == 1" at batch 2); traced at batch 2 the batch
+    stays symbolic, and the graph still runs batch 1."""
+    tensors = [t for t in inputs.flatten(sample) if t.dim() >= 1]
+    if not tensors or any(t.shape[0] != 1 for t in tensors):
+        return None
+    return inputs.tree_map(lambda t: torch.cat([t, t]) if t.dim() >= 1 else t, sample)
 
 
 def _arg_names(model: nn.Module, args: tuple) -> dict:
