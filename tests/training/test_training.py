@@ -329,3 +329,84 @@ def test_gradient_noise_floor_is_one_rounding_unit_of_the_median_norm_in_low_pre
     assert _grad_scale(grads) == pytest.approx(1e-3 * 2.0)
     assert _grad_scale(grads, torch.bfloat16) == pytest.approx(2.0 ** -7 * 2.0)
     assert _grad_scale(grads, torch.float16) == pytest.approx(1e-3 * 2.0)  # fp16's eps (2^-10) is below 1e-3
+
+
+def _oom_on(monkeypatch, which):
+    """probe.step raises a device out-of-memory error for the step of ``which`` (a callable picker)."""
+    from torchkiln.training import probe
+
+    real = probe.step
+
+    def step(fn, *a, **k):
+        if which(fn):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(probe, "step", step)
+
+
+def test_a_float32_reference_that_does_not_fit_falls_back_to_the_eager_step(monkeypatch):
+    """The float32 truth step keeps twice the activations of a bf16 one; where it runs out of memory the
+    guard compares against eager in the served precision, says so, and serves a step (no error)."""
+    with_bf16(monkeypatch)
+    model = net()
+    _oom_on(monkeypatch, lambda fn: fn is model)
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                            sample_input=data()[0], time_budget=0)
+    guard = fast.kiln_report.guard
+    assert "ran out of device memory" in guard["reference"] and guard["reference"].startswith("eager bfloat16")
+    assert guard["ok"], guard  # compiled bf16 against eager bf16: well inside bf16's cap
+    x, y = data()
+    loss = nn.functional.cross_entropy(fast(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+
+
+def test_a_compiled_step_that_does_not_fit_is_rejected_and_eager_serves(monkeypatch):
+    with_bf16(monkeypatch)
+    model = net()
+    _oom_on(monkeypatch, lambda fn: hasattr(fn, "_orig_mod"))  # the torch.compile'd step
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                              sample_input=data()[0], time_budget=0)
+    compiled = next(m for m in fast.kiln_report.candidates if m.kind == "torchkiln")
+    assert compiled.status == "failed" and "ran out of device memory" in compiled.reason
+    assert fast.kiln_report.active.startswith("eager")
+    assert any("ran out of device memory" in str(w.message) for w in seen)
+
+
+def test_a_float32_step_that_does_not_fit_is_the_callers_error(monkeypatch):
+    # float32 training: the reference step is the user's own step; if it does not fit, neither does their loop
+    model = net()
+    _oom_on(monkeypatch, lambda fn: fn is model)
+    with pytest.raises(torch.OutOfMemoryError):
+        fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sample_input=data()[0],
+                              time_budget=0)
+        fast(data()[0]).sum().backward()
+
+
+def test_when_no_reference_fits_the_compiled_step_serves_unverified_and_says_so(monkeypatch):
+    # GPT-2-medium bs16 seq512 under a 24 GiB cap on the H200: the float32 and the eager bf16 steps ran out of
+    # memory, the compiled bf16 step fits (benchmarks/diag_train_memory.py)
+    from torchkiln.training.module import AutocastStep
+
+    with_bf16(monkeypatch)
+    model = net()
+    _oom_on(monkeypatch, lambda fn: fn is model or isinstance(fn, AutocastStep))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dtype=torch.bfloat16,
+                                sample_input=data()[0], time_budget=0)
+    rep = fast.kiln_report
+    assert rep.guard["ok"] is None and "not verified" in rep.guard["note"]
+    assert rep.active.startswith("compiled")
+    assert any("serves unverified" in str(w.message) for w in seen)
+    eager = next(m for m in rep.candidates if m.kind == "eager")
+    assert eager.status == "failed" and "OutOfMemoryError" in eager.reason
+    x, y = data()
+    loss = nn.functional.cross_entropy(fast(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
