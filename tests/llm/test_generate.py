@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -395,3 +396,37 @@ def test_lookup_follows_the_earliest_longest_match():
     assert lookup([1, 2, 3, 9, 2, 3, 7, 1, 2, 3], k=2, ngram=3) == [9, 2]    # "1 2 3" seen at 0
     assert lookup([4, 2, 3, 9, 8, 2, 3], k=3, ngram=2) == [9, 8, 2]          # "2 3" at 1
     assert lookup([1, 2, 3], k=2, ngram=2) == []                            # no earlier occurrence
+
+
+def test_gptq_from_calibration_prompts():
+    """With calib_data the projections take GPTQ's codes for the second moment of their input in the model's
+    own forward: recomputed here, for layer 0's fused q/k/v, with a hook of the test's own on the model's q_proj."""
+    from torchkiln.quantization import gptq
+    from torchkiln.quantization.weight_only import Int4Linear
+
+    model = build("llama", seed=24)
+    calib = [prompt(seed=s) for s in (25, 26, 27)]
+    q = tk.llm.optimize(model, dtype=torch.float32, quant="int4", compile=False, calib_data=calib)
+    rep = q.kiln_report
+    assert rep.quant_rounding == "gptq" and rep.quant_layers == 2 * 4
+    attn = model.model.layers[0].self_attn
+    seen = []
+    hook = attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for ids in calib:
+            model(ids)
+    hook.remove()
+    x = torch.cat(seen)
+    fused = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+    got = q._kiln_runner.decoder.layers[0].qkv
+    want = Int4Linear(nn.Linear(fused.shape[1], fused.shape[0], bias=False), got.group,
+                      codes=gptq.layer_codes(fused, x.T @ x / x.shape[0], "int4-weight-only", got.group))
+    assert (got.packed != want.packed).float().mean() <= 0.01  # float rounding may flip a code at a midpoint
+    torch.testing.assert_close(got.scale, want.scale)
+    ids = prompt(seed=28)
+    out = q.generate(ids, max_new_tokens=4, **GREEDY)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 4)
+    plain = tk.llm.optimize(model, dtype=torch.float32, quant="int4", compile=False)
+    assert plain.kiln_report.quant_rounding == "nearest"
+    with pytest.raises(ValueError, match="calib_data= chooses the rounding"):
+        tk.llm.optimize(model, calib_data=calib)

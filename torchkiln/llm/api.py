@@ -19,8 +19,10 @@ from torch import nn
 from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
+from ..quantization import calibrate
 from .generate import Fallback, resolve, run
 from .model import FastDecoder, cublas_projections
+from .quant import gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -48,6 +50,7 @@ class LLMReport:
     verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
     quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
+    quant_rounding: str | None = None    # "gptq" (calib_data given) or "nearest"
     setup_s: float = 0.0
     compile_s: list = dataclasses.field(default_factory=list)
     cache: dict | None = None
@@ -109,12 +112,14 @@ def _auto_dtype(model, device: torch.device) -> torch.dtype:
 
 
 def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, device=None,
-             compile: bool = True):
+             compile: bool = True, calib_data=None):
     """A copy of ``model`` (a decoder-only Hugging Face causal LM) with a fast ``generate``.
 
     dtype: None picks bf16 where the hardware runs it natively, else the model's dtype; an
     explicit dtype is honoured. quant: None, "int8" or "int4" (weight-only, through
-    tk.quantization's torchao configs). max_seq_len: the KV-cache length (None: grows with
+    tk.quantization's layers). calib_data: with quant, token-id batches (tensors, or dicts with
+    input_ids/attention_mask) from which GPTQ chooses the weights' rounding instead of rounding each
+    to nearest (quantization/gptq.py). max_seq_len: the KV-cache length (None: grows with
     use, each new length compiles once). A model the fast path cannot read is returned
     working on the model's own generate with a static cache, with a warning saying why.
     """
@@ -123,6 +128,12 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
     _check_model(model)
     if quant not in (None, *QUANT):
         raise ValueError(f"quant={quant!r} is not one of None, 'int8', 'int4' (weight-only)")
+    if calib_data is not None and quant is None:
+        raise ValueError("calib_data= chooses the rounding of quantized weights (GPTQ); pass quant='int8' or "
+                         "'int4' with it, or drop calib_data")
+    calib = calibrate.batches(calib_data, "calib_data")
+    if calib_data is not None and not calib:
+        raise ValueError("calib_data is empty; pass at least one batch of token ids, or None")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 2):
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 2 (None: grow as needed)")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -135,9 +146,10 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
     for p in work.parameters():
         p.requires_grad_(False)
     try:
-        runner = _build(work, target, dtype, quant, compile, max_seq_len, report)
+        runner = _build(work, target, dtype, quant, compile, max_seq_len, report, calib)
     except Unsupported as e:
         return _stock(work, report, str(e), t0)
+    work._kiln_calib = calib  # for a rebuild after .to()
     runner.reserve(max_batch_size, min(max_seq_len or 256, runner.decoder.spec.max_positions))
     work.kiln_report = report
     work._kiln_runner = runner
@@ -146,7 +158,7 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
     return work
 
 
-def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport) -> Runner:
+def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
     """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
     spec, parts = read(work)
     if max_seq_len is not None and max_seq_len > spec.max_positions:
@@ -162,7 +174,9 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport) 
     report.spec = spec.to_dict()
     reference = _verify(work, runner, dtype, report)
     if quant is not None:
-        report.quant_layers = quantize_decoder(decoder, quant, target)
+        codes = gptq_codes(work, decoder, quant, calib, target) if calib else None
+        report.quant_rounding = "gptq" if calib else "nearest"
+        report.quant_layers = quantize_decoder(decoder, quant, target, codes)
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner
 
@@ -257,7 +271,8 @@ def _rebuild(model, old: Runner, report: LLMReport) -> Runner:
     again over the weights as they are now (new device/dtype: verified and compiled again)."""
     target, dtype = model_device(model), model_dtype(model)
     try:
-        runner = _build(model, target, dtype, report.quant, old.compile, old.max_seq_len, report)
+        runner = _build(model, target, dtype, report.quant, old.compile, old.max_seq_len, report,
+                        getattr(model, "_kiln_calib", ()))
     except Unsupported as e:
         raise Fallback(f"a model moved or cast to {target}/{dtype} the fast path cannot take ({e})") from e
     report.device, report.dtype = str(target), str(dtype).removeprefix("torch.")

@@ -143,6 +143,9 @@ class Layer(nn.Module):
         self.out = linear_of(_weight(blk.out, t), blk.out.bias)
         self.up = fuse(blk.mlp_in, t)
         self.down = linear_of(_weight(blk.mlp_out, t), blk.mlp_out.bias)
+        # the model's own module whose input each projection reads (GPTQ collects its inputs there);
+        # a plain dict, not registered: they are the model's modules, not the decoder's
+        self.sources = {"qkv": blk.qkv[0], "out": blk.out, "up": blk.mlp_in[0], "down": blk.mlp_out}
         # buffers, so the compiler (and CUDA graphs) treat the cache as static state
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)

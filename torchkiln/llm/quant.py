@@ -23,16 +23,32 @@ INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
 
-def quantize(decoder: nn.Module, quant: str, device: torch.device) -> int:
+def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device) -> dict[int, tuple]:
+    """id(projection) -> its GPTQ codes (quantization/gptq.py) for every layer projection of ``decoder``,
+    with the second moments of its inputs collected by running the model's own forward over ``data``."""
+    from ..quantization import gptq
+
+    names = {id(m): n for n, m in model.named_modules()}
+    jobs = {names[id(src)]: getattr(layer, attr) for layer in decoder.layers for attr, src in layer.sources.items()}
+    groups = {n: next((g for g in INT4_GROUPS if lin.in_features % g == 0), INT4_GROUPS[-1]) for n, lin in jobs.items()}
+    if quant == "int4":
+        jobs = {n: lin for n, lin in jobs.items() if lin.in_features % groups[n] == 0}
+    scheme = "int4-weight-only" if quant == "int4" else "int8-weight-only"
+    codes = gptq.codes_for(model, list(jobs), scheme, groups, data, device, show=False,
+                           weights={n: lin.weight for n, lin in jobs.items()})
+    return {id(jobs[n]): c for n, c in codes.items()}
+
+
+def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[int, tuple] | None = None) -> int:
     """Replace the decoder's layer Linears (and, where a kernel serves it, the output head, in int8
     for both modes: it is the largest single matrix and int8 keeps the logits close); returns how
     many. Without a kernel the head stays floating point: dequantized inside the expression, the
     compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the int8
     step) on the H200 profile."""
-    if quant == "int4" and INT4_IMPL == "torchao" and importlib.util.find_spec("torchao"):
+    if quant == "int4" and INT4_IMPL == "torchao" and importlib.util.find_spec("torchao") and not codes:
         done = _torchao_int4(decoder.layers, device)
     else:
-        done = _replace(decoder.layers, quant, INT4_IMPL)
+        done = _replace(decoder.layers, quant, INT4_IMPL, codes or {})
     head = decoder.head.weight
     if gemv.wanted(head) or cpu_kernels(head):
         decoder.head = Int8Linear(decoder.head)
@@ -52,19 +68,20 @@ def _torchao_int4(layers: nn.Module, device: torch.device) -> int:
     return done
 
 
-def _replace(layers: nn.Module, quant: str, impl: str = "auto") -> int:
+def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int, tuple] | None = None) -> int:
     done = 0
     for m in list(layers.modules()):
         for name, child in list(m.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
+            mine = (codes or {}).get(id(child))  # GPTQ's, where calibration data was given
             if quant == "int8":
-                setattr(m, name, Int8Linear(child))
+                setattr(m, name, Int8Linear(child, codes=mine))
             else:
                 group = next((g for g in INT4_GROUPS if child.in_features % g == 0), None)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
                 tiny = impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
-                setattr(m, name, Int4Linear(child, group, tinygemm=tiny))
+                setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine))
             done += 1
     return done

@@ -29,6 +29,7 @@ from .. import inputs
 from ..progress import ticks
 from .accuracy import padding_mask
 from .calibrate import layer_inputs
+from .weight_only import int4_grid, int8_scales
 
 DAMP = 0.01  # added to H's diagonal, as a share of its mean (the paper's 1%)
 BLOCK = 128  # columns whose updates are applied lazily, together (the paper's batching)
@@ -42,8 +43,7 @@ Quantizer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 def hessians(model: nn.Module, names: list[str], data: list[inputs.Args], device) -> dict[str, torch.Tensor]:
     """E[x xᵀ] of each named Linear's input over ``data``, run through the float ``model``;
     positions a batch's ``attention_mask`` marks as padding are left out."""
-    mods = dict(model.named_modules())
-    acc = {n: torch.zeros(mods[n].in_features, mods[n].in_features, device=device) for n in names}
+    acc: dict[str, torch.Tensor] = {}
     rows = dict.fromkeys(names, 0)
     for batch in data:
         mask = padding_mask(batch)
@@ -52,11 +52,16 @@ def hessians(model: nn.Module, names: list[str], data: list[inputs.Args], device
             if mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(mask.shape):
                 x = x[mask.to(x.device)]
             x = x.reshape(-1, x.shape[-1]).float()
+            if name not in acc:  # sized by the input (transformers' Conv1D has no in_features)
+                acc[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
             acc[name].addmm_(x.T, x)
             rows[name] += x.shape[0]
 
         layer_inputs(model, names, [batch], device, add)
-    return {n: acc[n] / max(rows[n], 1) for n in names}
+    missing = [n for n in names if n not in acc]
+    if missing:
+        raise ValueError(f"GPTQ: the calibration data never reached {missing[:3]}; pass batches that run the whole model")
+    return {n: acc[n] / rows[n] for n in names}
 
 
 def solve(weight: torch.Tensor, h: torch.Tensor, quant: Quantizer) -> torch.Tensor:
@@ -112,18 +117,27 @@ def int8(weight: torch.Tensor, h: torch.Tensor, scales: torch.Tensor) -> torch.T
     return solve(weight, h, quant)
 
 
-def codes_for(model: nn.Module, names: list[str], scheme: str, group: int, data: list[inputs.Args], device,
-              show: bool = True) -> dict[str, tuple]:
-    """name -> the codes weight_only.py's layer takes (``Int8Linear(codes=)`` / ``Int4Linear(codes=)``),
-    for each named Linear of the float ``model``. H is collected for as many layers per calibration
-    pass as fit in HESSIAN_BYTES."""
-    from .weight_only import int4_grid, int8_scales
+def layer_codes(weight: torch.Tensor, h: torch.Tensor, scheme: str, group: int) -> tuple:
+    """The codes weight_only.py's layer takes (``Int8Linear(codes=)`` / ``Int4Linear(codes=)``)."""
+    if scheme == "int4-weight-only":
+        scale, lo = int4_grid(weight, group)
+        return int4(weight, h, scale, lo, group), scale, lo
+    scales = int8_scales(weight)
+    return int8(weight, h, scales), scales
 
+
+def codes_for(model: nn.Module, names: list[str], scheme: str, group: int | dict[str, int], data: list[inputs.Args],
+              device, show: bool = True, weights: dict[str, torch.Tensor] | None = None) -> dict[str, tuple]:
+    """name -> layer_codes for each named module of the float ``model``, whose input H is collected
+    over ``data``. ``weights``: name -> the weight to quantize against that input (default: the
+    module's own; the LLM path passes its fused projections); ``group``: one, or per name. H is
+    collected for as many layers per calibration pass as fit in HESSIAN_BYTES."""
     mods = dict(model.named_modules())
+    weights = weights or {n: mods[n].weight for n in names}
     out: dict[str, tuple] = {}
     chunks, cur, size = [], [], 0
     for n in names:
-        b = 4 * mods[n].in_features ** 2
+        b = 4 * weights[n].shape[1] ** 2
         if cur and size + b > HESSIAN_BYTES:
             chunks.append(cur)
             cur, size = [], 0
@@ -135,13 +149,8 @@ def codes_for(model: nn.Module, names: list[str], scheme: str, group: int, data:
         for chunk in chunks:
             hs = hessians(model, chunk, data, device)
             for n in chunk:
-                w = mods[n].weight.detach().to(device)
-                if scheme == "int4-weight-only":
-                    scale, lo = int4_grid(w, group)
-                    out[n] = (int4(w, hs.pop(n), scale, lo, group), scale, lo)
-                else:
-                    scales = int8_scales(w)
-                    out[n] = (int8(w, hs.pop(n), scales), scales)
+                g = group[n] if isinstance(group, dict) else group
+                out[n] = layer_codes(weights[n].detach().to(device), hs.pop(n), scheme, g)
                 if tick is not None:
                     tick()
     return out
