@@ -119,4 +119,4 @@ def test_gptq_int4_on_cuda():
     g = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", max_seq_len=64, calib_data=calib)
     assert g.kiln_report.quant_rounding == "gptq" and g.kiln_report.quant_cosine >= 0.95, g.kiln_report
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
-    assert g.generate(ids, max_new_tokens=8, **GREEDY).shape == (1, 16)
+    assert g.generate(ids, max_new_tokens=8, min_new_tokens=8, **GREEDY).shape == (1, 16)
