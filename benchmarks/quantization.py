@@ -228,7 +228,7 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=3.0)
     a = p.parse_args(argv)
     print(f"# {datetime.date.today()} torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'cpu' if a.part.startswith('cpu') else torch.cuda.get_device_name()}; python benchmarks/quantization.py "
+          f"{'cpu' if a.part in ('cpu', 'cpu-wo', 'minilm') else torch.cuda.get_device_name()}; python benchmarks/quantization.py "
           + " ".join(sys.argv[1:]))
     {"cpu": cpu_part, "minilm": minilm_part, "cpu-wo": cpu_weight_only_part, "linear": linear_part, "stack": stack_part,
      "fp8": fp8_part}[a.part](a.budget)
