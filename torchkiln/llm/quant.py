@@ -9,7 +9,7 @@ import importlib.util
 import torch
 from torch import nn
 
-from ..quantization import gemv
+from ..quantization import gemv, gptq
 from ..quantization.weight_only import Int4Linear, Int8Linear, cpu_kernels
 
 # int4 kernel. "auto": on CUDA in bf16, tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm)
@@ -26,8 +26,6 @@ INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device) -> dict[int, tuple]:
     """id(projection) -> its GPTQ codes (quantization/gptq.py) for every layer projection of ``decoder``,
     with the second moments of its inputs collected by running the model's own forward over ``data``."""
-    from ..quantization import gptq
-
     names = {id(m): n for n, m in model.named_modules()}
     jobs = {names[id(src)]: getattr(layer, attr) for layer in decoder.layers for attr, src in layer.sources.items()}
     groups = {n: next((g for g in INT4_GROUPS if lin.in_features % g == 0), INT4_GROUPS[-1]) for n, lin in jobs.items()}

@@ -189,8 +189,9 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
         raise ValueError(f"scheme {config.scheme!r} {what}: calib_data must hold at least one batch (a list of "
                          "tensors, tuples or dicts), got " + ("nothing" if calib_data is None else "an empty iterable"))
     dev = torch.device(device) if device is not None else model_device(model)
-    config = _resolved(config, backend_for(config, dev, model_dtype(model)), bool(data))
-    names = fallback.targets(model, config, backend_for(config, dev, model_dtype(model)))
+    backend = backend_for(config, dev, model_dtype(model))
+    config = _resolved(config, backend, bool(data))
+    names = fallback.targets(model, config, backend)
     if not names:
         warn_once(f"noquant:{type(model).__name__}", f"torchkiln: {type(model).__name__} has no layer "
                   f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''}); returned unchanged")
