@@ -46,7 +46,7 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[i
     if quant == "int4" and INT4_IMPL == "torchao" and importlib.util.find_spec("torchao") and not codes:
         done = _torchao_int4(decoder.layers, device)
     else:
-        done = _replace(decoder.layers, quant, INT4_IMPL, codes or {})
+        done = _replace(decoder.layers, quant, INT4_IMPL, codes)
     head = decoder.head.weight
     if gemv.wanted(head) or cpu_kernels(head):
         decoder.head = Int8Linear(decoder.head)

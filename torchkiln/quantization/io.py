@@ -6,9 +6,10 @@ One file, written with ``torch.save`` and read with ``torch.load(weights_only=Tr
      "manifest": "<JSON: config, backend, accuracy report, model fingerprint, calibration, smoothing>",
      "tensors": {name: tensor}}
 
-- torchao schemes (fp8, int8-dynamic on CUDA, weight-only on float32 CPU models) and the kernels
-  backend (weight-only on CUDA and on bf16/fp16 CPU models: int8 weights, scales, biases and
-  tinygemm-packed int4 as plain tensors): ``tensors`` is the quantized model's state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
+- torchao schemes (fp8, int8-dynamic on CUDA, int8 weight-only on float32 CPU models) and the
+  kernels backend (weight-only on CUDA, int4 on the CPU, int8 on bf16/fp16 CPU models: int8 weights,
+  scales, biases and packed int4 as plain tensors, GPTQ's codes included): ``tensors`` is the
+  quantized model's state_dict. torchao's tensor subclasses are on torch's weights_only allow-list
   (torchao registers them), so no arbitrary object is unpickled.
 - pt2e schemes (CPU int8-static/-smoothquant/-dynamic): ``tensors`` holds the float weights
   and the export example; the observers' state is JSON in the manifest. Loading re-exports the

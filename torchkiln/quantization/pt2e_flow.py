@@ -40,7 +40,8 @@ def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
 
     dyn = (tuple(spec(a) for a in args) if not kwargs
            else {**_arg_names(model, args), **{k: spec(v) for k, v in kwargs.items()}})
-    for a, k in (_widened(sample), sample) if _widened(sample) is not None else (sample,):
+    wide = _widened(sample)
+    for a, k in ([wide] if wide is not None else []) + [sample]:
         for strict in (True, False):
             try:
                 ep = torch.export.export(model, a, k, strict=strict, dynamic_shapes=dyn)

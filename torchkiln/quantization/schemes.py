@@ -5,7 +5,8 @@ Measured on the dev machine (AMD EPYC Zen 3, AVX2, no VNNI; benchmarks/RESULTS.m
 whose CPU kernel is a reference loop (130 ms for a 16x1024x4096 GEMM, fp32 5 ms), so on CPU
 every activation-quantizing scheme goes through pt2e + X86InductorQuantizer, which inductor
 lowers to oneDNN int8 kernels (a 1024-4096-1024 MLP: 3.2 ms int8 static vs 8.7 ms fp32). On
-CUDA torchao's tensor subclasses call cuBLASLt int8/fp8 GEMMs and the tinygemm int4 kernel.
+CUDA torchao's tensor subclasses call cuBLASLt int8/fp8 GEMMs (int8-dynamic, fp8); the weight-only
+schemes take torchkiln's own layers (weight_only.py) wherever backend_for says so.
 """
 
 from __future__ import annotations

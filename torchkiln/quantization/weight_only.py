@@ -1,7 +1,8 @@
 """Weight-only int8/int4 linears on plain buffers, and the kernels that serve them.
 
-Shared by tk.quantize (the weight-only schemes on CUDA: backend "kernels") and the LLM path
-(llm/quant.py). Which kernel serves a call:
+Shared by tk.quantize (backend "kernels": weight-only on CUDA, int4 on the CPU, int8 on bf16/fp16
+CPU models; with GPTQ's codes where gptq.py chose them) and the LLM path (llm/quant.py). Which
+kernel serves a call:
 - CUDA int8, and int4 where tinygemm does not fit: calls of at most gemv.MAX_ROWS rows (decode,
   batch-1 inference) run the hand-written Triton GEMVs in gemv.py. torchao's Int8WeightOnlyConfig
   decoded Llama-3-8B at 136 tok/s on the H200 against 250 for these (benchmarks/RESULTS.md, LLM

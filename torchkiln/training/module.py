@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import itertools
 import logging
 import statistics
@@ -346,8 +347,6 @@ class TrainModule(OriginalFace):
 
 def _release(device: torch.device) -> None:
     """Give back what a step that ran out of memory left cached, before the next one."""
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
