@@ -197,6 +197,25 @@ def test_graph_break_steps_to_compiled_with_graph_breaks(monkeypatch):
     torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
 
 
+def test_cpp_wrapper_failure_steps_to_python_wrapper(monkeypatch):
+    real = cand_mod.compile_model
+
+    def fake(runner, opts, fullgraph=False, private=False):
+        return Boom() if opts.get("cpp_wrapper") else real(runner, opts, fullgraph, private)
+
+    monkeypatch.setattr(cand_mod, "compile_model", fake)
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln", weights_prepack=False,
+                    compile_options={"cpp_wrapper": True})
+    rep = o.kiln_report
+    by = {c.name: c for c in rep.candidates}
+    assert by["torchkiln compiled (float32)"].status == "failed"
+    assert by["torchkiln compiled (float32), Python wrapper"].status in ("served", "passed")
+    assert rep.fallbacks[0].to == "torchkiln compiled (float32), Python wrapper"
+    assert "simulated inductor crash" in rep.fallbacks[0].reason
+    torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+
+
 def _corrupt_cast(monkeypatch, factor=3.0):
     """A cast pass that silently corrupts weights (new tensors: the original stays intact)."""
     from torchkiln.passes import registry

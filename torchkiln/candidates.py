@@ -43,6 +43,8 @@ class Candidate:
     cuda_graphs: bool = False  # outputs live in a graph pool: serve copies, one call at a time
     applied: list[str] = field(default_factory=list)  # passes that ran (torchkiln candidates)
     graph_breaks: Callable[[], Candidate] | None = None  # the same, compiled allowing graph breaks
+    # the same with inductor's Python wrapper, for a build with the C++ wrapper that fails otherwise
+    python_wrapper: Callable[[], Candidate] | None = None
     serve: bool = True  # False: run only to measure the plain cast's error (the guard's baseline)
 
 
@@ -115,17 +117,7 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
         variants = [True, False] if rec.cuda_graphs else [False]
         for graphs in variants:
             opts = {**base, "triton.cudagraphs": graphs} if rec.device.startswith("cuda") else base
-            suffix = " + CUDA graphs" if graphs else ""
-
-            def breaks(opts=opts, graphs=graphs, suffix=suffix):
-                return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,
-                                 lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True),
-                                                    graphs), tier, graphs, build.applied)
-
-            out.append(Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag,
-                                 lambda opts=opts, graphs=graphs: build.call(
-                                     compile_model(build.runner(), opts, fullgraph=True, private=True), graphs),
-                                 tier, graphs, build.applied, breaks))
+            out.append(_compiled(build, opts, tag, tier, graphs))
     if rec.onednn_graph and rec.device == "cpu" and not build.inplace:
         # oneDNN Graph does its own GEMM fusion, and our prepacked linear does not trace
         # (its op takes an optional-scalar list TorchScript rejects): a build without it.
@@ -135,6 +127,25 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
     out.append(Candidate(f"torchkiln eager passes ({tag})", "torchkiln", tag,
                          lambda: build.call(build.runner(), False), tier, False, build.applied))
     return out
+
+
+def _compiled(build: KilnBuild, opts: dict, tag: str, tier: int, graphs: bool, note: str = "") -> Candidate:
+    """torchkiln's compiled candidate, with its step-downs: allowing graph breaks (where
+    fullgraph fails on one), and inductor's Python wrapper (where the C++ one fails)."""
+    suffix = note + (" + CUDA graphs" if graphs else "")
+
+    def breaks():
+        return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,
+                         lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True),
+                                            graphs), tier, graphs, build.applied)
+
+    def python_wrapper():
+        plain = {k: v for k, v in opts.items() if k != "cpp_wrapper"}
+        return _compiled(build, plain, tag, tier, graphs, ", Python wrapper")
+
+    return Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag,
+                     lambda: build.call(compile_model(build.runner(), opts, fullgraph=True, private=True), graphs),
+                     tier, graphs, build.applied, breaks, python_wrapper if opts.get("cpp_wrapper") else None)
 
 
 def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope: str,

@@ -283,8 +283,9 @@ class KilnModule(OriginalFace):
                     torch.cuda.empty_cache()
                 return None, None, "out of memory (skipped)"
             reason = f"{type(e).__name__}: {first_line(e)}"
-            if cand.graph_breaks is not None and _is_graph_break(e):
-                alt = cand.graph_breaks()
+            step = cand.graph_breaks if _is_graph_break(e) else cand.python_wrapper
+            if step is not None:  # one level down, recorded
+                alt = step()
                 self._replace(cand, alt)
                 measures[cand.name].status, measures[cand.name].reason = "failed", reason
                 measures[alt.name] = Measurement(alt.name, alt.kind, alt.dtype)

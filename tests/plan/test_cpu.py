@@ -198,3 +198,21 @@ def test_onednn_graph_candidate_for_conv_nets_only(monkeypatch):
     assert not plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {}, None).onednn_graph
     off = plan(cnn(), X86_NO_BF16, "cpu", FP32, "O1", {"onednn_graph": True}, None)
     assert not off.onednn_graph and any("onednn_graph=True ignored" in n for n in off.notes)
+
+
+def big() -> nn.Module:
+    """Above WRAPPER_MIN_PARAMS (16.8M parameters), built on the meta device: nothing allocated."""
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()).eval()
+
+
+@BF16_CPUS
+def test_cpp_wrapper_for_large_low_precision_models(hw):
+    from torchkiln.plan.cpu import WRAPPER_MIN_PARAMS
+
+    assert sum(p.numel() for p in big().parameters()) >= WRAPPER_MIN_PARAMS
+    opts = dict(plan(big(), hw, "cpu", BF16, "O1", {}, None).compile_options)
+    assert opts.get("cpp_wrapper") is True
+    # A small model (compile cost would dominate), and float32, keep the Python wrapper at O1.
+    assert "cpp_wrapper" not in dict(plan(mlp(), hw, "cpu", BF16, "O1", {}, None).compile_options)
+    assert "cpp_wrapper" not in dict(plan(big(), hw, "cpu", FP32, "O1", {}, None).compile_options)

@@ -15,6 +15,10 @@ from ..passes.onednn_linear import measure as onednn_measure
 from ..recipe import Recipe
 from .common import base_passes, is_hf
 
+# Below this many parameters a model compiles in seconds, and the C++ wrapper's own compile
+# (13-20 s on 2 cores) would dominate optimize().
+WRAPPER_MIN_PARAMS = 10_000_000
+
 
 def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
     if dtype == torch.bfloat16 and not hw.cpu.bf16_native:
@@ -70,13 +74,21 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
             passes.append(registry.make("onednn_linear", shape=(m, *shape), aten_gflops=rates["aten"],
                                         onednn_gflops=rates["onednn"]))
     options = {"freezing": True}
+    if dtype != torch.float32 and sum(p.numel() for p in model.parameters()) >= WRAPPER_MIN_PARAMS:
+        # Inductor's C++ wrapper calls the kernels without Python between them: bert-base bf16
+        # bs1 on a 2-core Zen 4, one process, interleaved: 1.045x, for 13 s more compiling
+        # (RESULTS.md). float32 there: 1.00x (its GEMMs are onednn_linear's, which the wrapper
+        # cannot call). Small models skip it: its compile would dominate optimize().
+        options["cpp_wrapper"] = True
+        notes.append("C++ wrapper (no Python between kernels)")
     if level == "O2":
         passes.append(registry.make("concat_linear"))
         notes.append("O2: concat sibling linears")
         # Less Python overhead per call. It cannot run onednn_linear's packed buffers; plan's
         # _apply_knobs drops it while that pass stays (after the knobs, which may remove it).
-        options["cpp_wrapper"] = True
-        notes.append("O2: C++ wrapper (less Python overhead per call)")
+        if not options.get("cpp_wrapper"):
+            options["cpp_wrapper"] = True
+            notes.append("O2: C++ wrapper (less Python overhead per call)")
     # SDPA's CPU flash kernel parallelises over batch x heads only; at short
     # sequences plain math is often faster. Decided per shape by measurement.
     graph = has_conv and onednn_graph.available()
