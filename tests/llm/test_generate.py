@@ -336,6 +336,49 @@ def test_cublas_projections_swap_modules_over_the_same_tensors():
     assert all(type(layer.out) is torch.nn.Linear for layer in decoder.layers)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_row_linear_reduces_one_row_when_compiled(dtype, tol):
+    """The CPU decode step's RowLinear: one row, compiled, is a reduction (no GEMM call) with the
+    float64 product's value; more rows, or eager, stay F.linear."""
+    from torch.profiler import profile
+
+    from torchkiln.llm.model import RowLinear, linear_of
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 64).to(dtype), torch.randn(48).to(dtype)
+    lin = linear_of(w, b, RowLinear)
+    compiled = torch.compile(lin, fullgraph=True)
+
+    def ran(x):
+        with profile() as prof:
+            out = compiled(x)
+        return out, {e.key for e in prof.key_averages()}
+
+    for rows, gemm in ((1, False), (3, True)):
+        x = torch.randn(1, rows, 64).to(dtype)
+        out, names = ran(x)
+        ref = x.double() @ w.double().t() + b.double()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        assert bool(names & {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}) == gemm, names
+    x = torch.randn(1, 1, 64).to(dtype)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))  # eager: F.linear itself
+
+
+def test_row_projections_swap_contiguous_float_linears_only():
+    from torchkiln.llm.model import FastDecoder, RowLinear, row_projections
+    from torchkiln.llm.spec import read
+
+    decoder = FastDecoder(*read(build("llama", seed=27)))
+    ptrs = [layer.qkv.weight.data_ptr() for layer in decoder.layers]
+    decoder.layers[0].out.weight = torch.nn.Parameter(decoder.layers[0].out.weight.t().contiguous().t(),
+                                                      requires_grad=False)  # a transposed view
+    assert row_projections(decoder) == 4 * len(decoder.layers)  # the four projections a layer and the head, not out0
+    assert type(decoder.head) is RowLinear and type(decoder.layers[0].out) is torch.nn.Linear
+    assert [layer.qkv.weight.data_ptr() for layer in decoder.layers] == ptrs  # same tensors
+    assert all(type(layer.down) is RowLinear for layer in decoder.layers)
+
+
 def test_gemv_routing_is_decided_by_device_and_rows():
     """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
     the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""

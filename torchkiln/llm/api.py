@@ -21,7 +21,7 @@ from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from .generate import Fallback, resolve, run
-from .model import FastDecoder, cublas_projections
+from .model import FastDecoder, cublas_projections, row_projections
 from .quant import gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
@@ -167,6 +167,8 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
     decoder = FastDecoder(spec, parts)
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
+    elif target.type == "cpu" and compile:
+        row_projections(decoder)
     runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)
     # an alias of the head weight: a real .to() gives the parameter new storage, the alias keeps
     # the old one; deepcopy clones each parameter on its own, which also shows here
