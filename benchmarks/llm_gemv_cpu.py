@@ -2,7 +2,8 @@
 
     python benchmarks/llm_gemv_cpu.py
 
-Peers per shape and row count, interleaved over rounds (medians): dense F.linear; the int8
+Peers per shape and row count, interleaved over rounds (medians): dense F.linear; RowLinear (the
+decode step's form: one row as a multiply-and-sum, compiled into a reduction; more rows, F.linear); the int8
 expression ``F.linear(x, q.to(dtype)) * scale`` compiled; torch's ``_weight_int8pack_mm``; and
 torch's ``_weight_int4pack_mm_for_cpu`` (bf16 only, where this torch has it). GB/s counts the
 weight bytes read once per call. Each peer cycles through copies of its weights (>= 128 MB in all),
@@ -18,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from torchkiln.llm.model import RowLinear, linear_of
 from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
 SHAPES = {"qkv": (3072, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
@@ -37,6 +39,10 @@ def main() -> int:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     a = ap.parse_args()
     torch.manual_seed(0)
+    # one compiled RowLinear per weight copy: they share forward's code, and each is a recompile
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 256)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| shape (N x K) | dtype | rows | peer | us/call | x dense | weight GB/s |")
     print("|---|---|---|---|---|---|---|")
@@ -55,6 +61,9 @@ def main() -> int:
                          "int8 _weight_int8pack_mm": (torch.ops.aten._weight_int8pack_mm,
                                                       [(x, q8.weight.clone(), q8.scales) for _ in range(count)], n * k)}
                 peers["int8 expression (compiled)"] = (expr, peers["int8 _weight_int8pack_mm"][1], n * k)
+                rows_lin = [torch.compile(linear_of(w, None, RowLinear), dynamic=False) for _, w in peers["dense"][1]]
+                peers["RowLinear (compiled)"] = (lambda x, m: m(x), [(x, m) for m in rows_lin],
+                                                 n * k * lin.weight.element_size())
                 if dt == torch.bfloat16 and Int4Linear.fits_tinygemm(lin, 128):
                     q4s = [Int4Linear(lin, 128, tinygemm=True) for _ in range(count)]
                     peers["int4 _weight_int4pack_mm_for_cpu"] = (lambda x, m: m(x), [(x, m) for m in q4s],
