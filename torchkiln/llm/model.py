@@ -105,9 +105,9 @@ def cublas_projections(decoder: nn.Module, on: bool = True) -> int:
 class RowLinear(nn.Linear):
     """An nn.Linear whose one-row product (batch-1 decode), when compiled, is a multiply-and-sum
     that inductor turns into one vectorised reduction over the weight. Why, on the CPU: torch's
-    GEMV (oneDNN/MKL through F.linear) read weights at 8-13 GB/s on a 2-core Zen 4, inductor's
-    reduction at 17-22 GB/s, in float32 and bf16 alike (the decode shapes of llama-125m/350m;
-    RESULTS.md). More rows, or eager (the product would be materialised): F.linear. The sum
+    GEMV (oneDNN/MKL through F.linear) read weights at 10-15 GB/s on a 2-core Zen 4, inductor's
+    reduction at 16-26 GB/s, in float32 and bf16 alike (llama-350m's decode shapes,
+    benchmarks/llm_gemv_cpu.py; RESULTS.md). More rows, or eager (the product would be materialised): F.linear. The sum
     runs in float32, as a GEMM accumulates. Still an nn.Linear: quantization replaces it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
