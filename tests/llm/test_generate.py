@@ -379,6 +379,37 @@ def test_row_projections_swap_contiguous_float_linears_only():
     assert all(type(layer.down) is RowLinear for layer in decoder.layers)
 
 
+@pytest.mark.parametrize("pays", [True, False])
+def test_cpu_decode_takes_row_linear_only_where_measured_faster(monkeypatch, pays):
+    from torchkiln.llm import api
+    from torchkiln.llm.model import RowLinear
+
+    calls = []
+
+    def measured(weights):
+        calls.append(len(weights))
+        return (pays, 20.0, 10.0) if pays else (pays, 10.0, 20.0)
+
+    monkeypatch.setattr(api, "reduction_pays", measured)
+    model = build("llama", seed=28)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
+    decoder = fast._kiln_runner.decoder
+    assert calls == [len(decoder.layers)]  # every layer's up projection, timed once
+    assert (type(decoder.layers[0].qkv) is RowLinear) == pays and (type(decoder.head) is RowLinear) == pays
+    assert fast.kiln_report.cpu_gemv.startswith("reduction" if pays else "F.linear")
+    assert "CPU decode projections" in str(fast.kiln_report)
+    ids = prompt(seed=5)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
+
+
+def test_reduction_pays_times_both_forms():
+    from torchkiln.llm.model import reduction_pays
+
+    use, t_lin, t_red = reduction_pays([torch.randn(64, 32) for _ in range(3)])
+    assert isinstance(use, bool) and t_lin > 0 and t_red > 0
+    assert use == (t_red < 0.9 * t_lin)
+
+
 def test_gemv_routing_is_decided_by_device_and_rows():
     """The Triton GEMVs serve CUDA decode only; a CPU layer never asks for them and serves through
     the expression (the row and width rule is checked on CUDA: tests/llm/test_cuda_llm.py)."""

@@ -21,7 +21,7 @@ from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from .generate import Fallback, resolve, run
-from .model import FastDecoder, cublas_projections, row_projections
+from .model import FastDecoder, cublas_projections, reduction_pays, row_projections
 from .quant import gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
@@ -57,6 +57,7 @@ class LLMReport:
     speculated: int = 0                  # prompt-lookup steps run (generate(prompt_lookup_num_tokens=k))
     accepted: int = 0                    # drafted tokens they kept
     fallbacks: list = dataclasses.field(default_factory=list)
+    cpu_gemv: str | None = None          # CPU compiled decode: "reduction" (RowLinear) or "F.linear", measured
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -70,6 +71,8 @@ class LLMReport:
             lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}); "
                          f"compile s: {self.compile_s or 'not yet'}")
             lines.append(f"  verified against the model's forward: max rel error {self.verify_error:.2e}")
+            if self.cpu_gemv:
+                lines.append(f"  CPU decode projections: {self.cpu_gemv}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
         return "\n".join(lines)
@@ -167,8 +170,13 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
     decoder = FastDecoder(spec, parts)
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
-    elif target.type == "cpu" and compile:
-        row_projections(decoder)
+    ups = [layer.up.weight for layer in decoder.layers if layer.up.weight.is_contiguous()]
+    if target.type == "cpu" and compile and ups and ups[0].is_floating_point():
+        # one-row projections as reductions where that measures faster here (RowLinear)
+        use, t_lin, t_red = reduction_pays(ups)
+        report.cpu_gemv = f"{'reduction' if use else 'F.linear'} (F.linear {t_lin} us, reduction {t_red} us)"
+        if use:
+            row_projections(decoder)
     runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)
     # an alias of the head weight: a real .to() gives the parameter new storage, the alias keeps
     # the old one; deepcopy clones each parameter on its own, which also shows here

@@ -12,12 +12,17 @@ is short of.
 from __future__ import annotations
 
 import functools
+import itertools
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..timing import median_seconds
 from .spec import DecoderSpec, Parts
+
+_fresh_ids = itertools.count()
 
 
 def _weight(m: nn.Module, transposed: bool) -> torch.Tensor:
@@ -104,17 +109,44 @@ def cublas_projections(decoder: nn.Module, on: bool = True) -> int:
 
 class RowLinear(nn.Linear):
     """An nn.Linear whose one-row product (batch-1 decode), when compiled, is a multiply-and-sum
-    that inductor turns into one vectorised reduction over the weight. Why, on the CPU: torch's
-    GEMV (oneDNN/MKL through F.linear) read weights at 10-15 GB/s on a 2-core Zen 4, inductor's
-    reduction at 16-26 GB/s, in float32 and bf16 alike (llama-350m's decode shapes,
-    benchmarks/llm_gemv_cpu.py; RESULTS.md). More rows, or eager (the product would be materialised): F.linear. The sum
-    runs in float32, as a GEMM accumulates. Still an nn.Linear: quantization replaces it."""
+    that inductor turns into one vectorised reduction over the weight. Why, on some CPUs: on a
+    2-core Zen 4 torch's GEMV (oneDNN/MKL through F.linear) read weights at 10-15 GB/s and
+    inductor's reduction at 16-26 GB/s, in float32 and bf16 alike; on a 16-core Xeon the
+    reduction was 0.5-1.1x F.linear (llama-350m's decode shapes, benchmarks/llm_gemv_cpu.py;
+    RESULTS.md), so ``reduction_pays`` decides per machine. More rows, or eager (the product
+    would be materialised): F.linear. The sum runs in float32, as a GEMM accumulates. Still an
+    nn.Linear: quantization replaces it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[:-1].numel() != 1 or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        y = (x.unsqueeze(-2).float() * self.weight.float()).sum(-1)
-        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        return _row_product(x, self.weight, self.bias)
+
+
+def _row_product(x, weight, bias):
+    y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def _fresh(fn):
+    """``fn`` with a code object of its own: dynamo caches compiled code per code object, and a
+    process that measures many models' shapes must not reach its recompile limit (past it, the
+    reduction would run eagerly and materialise the product)."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{next(_fresh_ids)}"), fn.__globals__)
+
+
+def reduction_pays(weights: list[torch.Tensor]) -> tuple[bool, float, float]:
+    """(use RowLinear, us per F.linear, us per reduction): both compiled, one row, cycling over
+    ``weights`` (same shape; the layers' widest projection) so they come from memory as in
+    decode. A 10% margin: a swap is only worth it for a clear win."""
+    x = torch.randn(1, 1, weights[0].shape[1], dtype=weights[0].dtype)
+    lin = torch.compile(_fresh(lambda x, w: F.linear(x, w)), dynamic=False)
+    red = torch.compile(_fresh(lambda x, w: _row_product(x, w, None)), dynamic=False)
+    times = []
+    with torch.no_grad():
+        for fn in (lin, red):
+            times.append(median_seconds(lambda fn=fn: [fn(x, w) for w in weights], warmup=2, iters=5) / len(weights))
+    return times[1] < 0.9 * times[0], round(times[0] * 1e6, 1), round(times[1] * 1e6, 1)
 
 
 def row_projections(decoder: nn.Module) -> int:
