@@ -381,7 +381,7 @@ def test_row_projections_swap_contiguous_float_linears_only():
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_cpu_decode_takes_row_linear_only_where_measured_faster(monkeypatch, pays):
-    from torchkiln.llm import api
+    from torchkiln.llm import model as model_mod
     from torchkiln.llm.model import RowLinear
 
     calls = []
@@ -390,7 +390,7 @@ def test_cpu_decode_takes_row_linear_only_where_measured_faster(monkeypatch, pay
         calls.append(len(weights))
         return (pays, 20.0, 10.0) if pays else (pays, 10.0, 20.0)
 
-    monkeypatch.setattr(api, "reduction_pays", measured)
+    monkeypatch.setattr(model_mod, "reduction_pays", measured)
     model = build("llama", seed=28)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
     decoder = fast._kiln_runner.decoder

@@ -21,7 +21,7 @@ from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from .generate import Fallback, resolve, run
-from .model import FastDecoder, cublas_projections, reduction_pays, row_projections
+from .model import FastDecoder, cpu_projections, cublas_projections
 from .quant import gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
@@ -170,13 +170,8 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
     decoder = FastDecoder(spec, parts)
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
-    ups = [layer.up.weight for layer in decoder.layers if layer.up.weight.is_contiguous()]
-    if target.type == "cpu" and compile and ups and ups[0].is_floating_point():
-        # one-row projections as reductions where that measures faster here (RowLinear)
-        use, t_lin, t_red = reduction_pays(ups)
-        report.cpu_gemv = f"{'reduction' if use else 'F.linear'} (F.linear {t_lin} us, reduction {t_red} us)"
-        if use:
-            row_projections(decoder)
+    elif target.type == "cpu" and compile:
+        report.cpu_gemv = cpu_projections(decoder)
     runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)
     # an alias of the head weight: a real .to() gives the parameter new storage, the alias keeps
     # the old one; deepcopy clones each parameter on its own, which also shows here

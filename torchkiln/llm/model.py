@@ -146,7 +146,19 @@ def reduction_pays(weights: list[torch.Tensor]) -> tuple[bool, float, float]:
     with torch.no_grad():
         for fn in (lin, red):
             times.append(median_seconds(lambda fn=fn: [fn(x, w) for w in weights], warmup=2, iters=5) / len(weights))
-    return times[1] < 0.9 * times[0], round(times[0] * 1e6, 1), round(times[1] * 1e6, 1)
+    return times[1] < 0.9 * times[0], times[0] * 1e6, times[1] * 1e6
+
+
+def cpu_projections(decoder: nn.Module) -> str | None:
+    """The CPU's compiled decode: RowLinear projections where ``reduction_pays`` measures them
+    faster here. Returns the report's line (None: no float projection to measure)."""
+    ups = [layer.up.weight for layer in decoder.layers if layer.up.weight.is_contiguous()]
+    if not ups or not ups[0].is_floating_point():
+        return None
+    use, t_lin, t_red = reduction_pays(ups)
+    if use:
+        row_projections(decoder)
+    return f"{'reduction' if use else 'F.linear'} (F.linear {t_lin:.1f} us, reduction {t_red:.1f} us)"
 
 
 def row_projections(decoder: nn.Module) -> int:

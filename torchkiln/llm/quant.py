@@ -23,14 +23,19 @@ INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
 
+def _int4_group(lin: nn.Linear) -> int | None:
+    return next((g for g in INT4_GROUPS if lin.in_features % g == 0), None)
+
+
 def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device) -> dict[int, tuple]:
     """id(projection) -> its GPTQ codes (quantization/gptq.py) for every layer projection of ``decoder``,
     with the second moments of its inputs collected by running the model's own forward over ``data``."""
     names = {id(m): n for n, m in model.named_modules()}
     jobs = {names[id(src)]: getattr(layer, attr) for layer in decoder.layers for attr, src in layer.sources.items()}
-    groups = {n: next((g for g in INT4_GROUPS if lin.in_features % g == 0), INT4_GROUPS[-1]) for n, lin in jobs.items()}
-    if quant == "int4":
-        jobs = {n: lin for n, lin in jobs.items() if lin.in_features % groups[n] == 0}
+    groups = {n: _int4_group(lin) for n, lin in jobs.items()}
+    if quant == "int4":  # a width no group divides stays float (_replace skips it too)
+        jobs = {n: lin for n, lin in jobs.items() if groups[n] is not None}
+    groups = {n: g or INT4_GROUPS[-1] for n, g in groups.items()}  # int8 ignores the group
     scheme = "int4-weight-only" if quant == "int4" else "int8-weight-only"
     codes = gptq.codes_for(model, list(jobs), scheme, groups, data, device, show=False,
                            weights={n: lin.weight for n, lin in jobs.items()})
@@ -76,7 +81,7 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
             if quant == "int8":
                 setattr(m, name, Int8Linear(child, codes=mine))
             else:
-                group = next((g for g in INT4_GROUPS if child.in_features % g == 0), None)
+                group = _int4_group(child)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
                 tiny = impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
