@@ -569,7 +569,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         if compute != torch.float32:
             warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
                       "it is served at the precision it was quantized in (cast the model before tk.quantize)")
-        recipe = plan_quantized(quant, str(target), level)
+        recipe = plan_quantized(quant, str(target), level, hw.cpu.bf16_native)
     else:
         recipe = plan(model, hw, str(target), compute, level, knobs,
                       batch=inputs.batch_size(sample) if sample else None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .passes import registry
 
 LEVELS = ("O0", "O1", "O2")
-ATTENTION = ("sdpa", "auto", "opaque")
+ATTENTION = ("sdpa", "auto", "auto-bf16", "opaque")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class Recipe:
     dtype_mode: str = "none"  # none | cast (weights + activations) | autocast
     passes: tuple = ()  # pass configs (registry), in run order
     memory_format: str = "contiguous"  # contiguous | channels_last
-    # sdpa: untouched | auto: math or SDPA per shape, measured (CPU) | opaque: SDPA as an
-    # opaque op, so compiled graphs keep the kernel eager would pick (CUDA, other accelerators)
+    # sdpa: untouched | auto: math or SDPA per shape, measured (CPU) | auto-bf16: as auto, the
+    # math form for float32 inputs run in bf16 (int8 models on native-bf16 CPUs) | opaque: SDPA
+    # as an opaque op, so compiled graphs keep the kernel eager would pick (CUDA, accelerators)
     attention: str = "sdpa"
     drop_all_ones_mask: bool = False  # HF models: an all-ones attention_mask is passed as None
     cudnn_benchmark: bool = False  # let cuDNN time its conv algorithms (during torchkiln's calls only)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchkiln.passes.sdpa_math import SDPARouter, attention, sdpa, sdpa_math
+from torchkiln.passes.sdpa_math import SDPARouter, attention, sdpa, sdpa_math, sdpa_math_bf16
 
 OPS = {"sdpa_math": sdpa_math, "sdpa": sdpa}
 
@@ -157,7 +157,7 @@ def test_router_auto_routes_measured_choices():
     key = next(iter(r.choices))
     r.calibrating = False
     for use_math, ran in ((True, "torchkiln::sdpa_math"), (False, "torchkiln::sdpa")):
-        r.choices[key] = use_math
+        r.choices[key] = "math" if use_math else "sdpa"
         with r:
             out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v))
         assert ran in names and {"torchkiln::sdpa_math", "torchkiln::sdpa"} - {ran} - names
@@ -182,6 +182,57 @@ def test_router_opaque_routes_everything_unmeasured():
     assert r.summary().startswith("opaque")
     torch.testing.assert_close(out.double(), ref_sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["plain", "bool_mask_dead_row", "float_mask", "causal", "gqa"])
+def test_low_math_attention_matches_sdpa_within_bf16(case):
+    """The bf16 math form (int8 models' attention on native-bf16 CPUs) against float64 SDPA:
+    bf16's rounding (2^-8 relative), not worse, and SDPA's zeros for a row that sees no key."""
+    q, k, v = qkv(kv_heads=2 if case == "gqa" else 4)
+    kw = {"is_causal": case == "causal", "enable_gqa": case == "gqa"}
+    if case == "bool_mask_dead_row":
+        kw["attn_mask"], _ = left_padded_mask()
+    if case == "float_mask":
+        kw["attn_mask"] = torch.randn(2, 1, 16, 16)
+    out = call(sdpa_math_bf16, q, k, v, **kw)
+    assert out.dtype == torch.float32
+    ref = ref_sdpa(q, k, v, **kw)
+    if case == "bool_mask_dead_row":
+        ref = ref.nan_to_num(0.0)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+    # and it is bf16, not float32: the error is above float32's
+    assert (out.double() - ref).abs().max() > 1e-4
+
+
+def test_router_auto_bf16_times_the_bf16_form_and_routes_it():
+    q, k, v = qkv(L=64, S=64)
+    mask = torch.rand(2, 1, 64, 64) > 0.2
+    mask[..., 0] = True
+    r = SDPARouter(mode="auto-bf16")
+    r.calibrating = True
+    with r:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    r.calibrating = False
+    key = next(iter(r.timings))
+    assert set(r.timings[key]) == {"sdpa", "math-bf16"}
+    assert r.choices[key] == min(r.timings[key], key=r.timings[key].get)
+    ref = ref_sdpa(q, k, v, attn_mask=mask)
+    r.choices[key] = "math-bf16"
+    with r:
+        out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert "torchkiln::sdpa_math_bf16" in names and "torchkiln::sdpa" not in names
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+    # compiled: inline, its GEMMs in bf16, no SDPA kernel and no opaque op
+    with r:
+        out, names = profiled(lambda: torch.compile(F.scaled_dot_product_attention, fullgraph=True)(
+            q, k, v, attn_mask=mask))
+    assert "aten::bmm" in names and not {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n}
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+    # bf16 inputs are timed as in "auto": the bf16 form is for float32 inputs only
+    r.calibrating = True
+    with r:
+        F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert set(r.timings[max(r.timings, key=lambda t: t[1] == "torch.bfloat16")]) == {"sdpa", "math"}
 
 
 def test_router_rejects_unknown_mode():
@@ -229,7 +280,7 @@ def test_traced_by_compile(use_math):
         with r:
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         r.calibrating = False
-        r.choices = dict.fromkeys(r.choices, use_math)
+        r.choices = dict.fromkeys(r.choices, "math" if use_math else "sdpa")
     # Compiled, the math form runs inline (math_attention): its GEMMs, no SDPA kernel.
     ran = "aten::bmm" if use_math else "torchkiln::sdpa"
     ref = ref_sdpa(q, k, v, attn_mask=mask) * 2

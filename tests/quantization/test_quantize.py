@@ -447,6 +447,54 @@ def test_cpu_plan_adds_the_cpp_wrapper_for_pt2e_graphs_only():
     assert dict(plan(static.kiln_quant, "cuda", "O1").compile_options) == {}
 
 
+class TinyAttention(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :].bool())
+        return self.out(a.transpose(1, 2).reshape(b, t, d))
+
+
+def test_int8_graph_attention_is_routable_and_planned_in_bf16_on_native_bf16_cpus():
+    """The converted graph calls F.scaled_dot_product_attention (export records the aten op, which the
+    attention router cannot see), with the same outputs; the plan times the bf16 math form only where
+    the CPU has native bf16."""
+    from torchkiln.passes.sdpa_math import SDPARouter
+    from torchkiln.quantization.plan import plan
+
+    torch.manual_seed(0)
+    model = TinyAttention().eval()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    calib = [(torch.randn(2, 12, 32, generator=g), mask) for _ in range(4)]
+    q = quiet(tk.quantize, model, "int8-static", calib_data=calib, progress=False)
+    targets = [n.target for n in q.graph.graph.nodes if n.op == "call_function"]
+    assert nn.functional.scaled_dot_product_attention in targets
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets
+    x = torch.randn(2, 12, 32, generator=g)
+    with torch.no_grad():
+        plain = q(x, mask)
+        assert sqnr_db(model(x, mask), plain) > 25
+        r = SDPARouter(mode="auto-bf16")
+        r.calibrating = True
+        with r:
+            q(x, mask)
+        assert len(r.choices) == 1 and set(next(iter(r.timings.values()))) == {"sdpa", "math-bf16"}
+        r.calibrating = False
+        r.choices = dict.fromkeys(r.choices, "math-bf16")
+        with r:
+            routed = q(x, mask)
+    assert not torch.equal(plain, routed) and sqnr_db(plain, routed) > 25
+    assert plan(q.kiln_quant, "cpu", "O1", bf16_native=True).attention == "auto-bf16"
+    assert plan(q.kiln_quant, "cpu", "O1", bf16_native=False).attention == "sdpa"
+    assert plan(q.kiln_quant, "cuda", "O1", bf16_native=True).attention == "sdpa"
+
+
 def test_static_int8_calibrated_at_batch_1_serves_other_batch_sizes():
     """Export specializes size-1 dimensions: a model quantized from batch-1 samples used to accept batch 1
     only (the zoo resnet50 raised "Guard failed: x.size()[0] == 1" at batch 2)."""

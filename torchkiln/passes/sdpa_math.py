@@ -23,7 +23,9 @@ it runs in the traced graph, so that work fuses with the kernels around it.
 
 Modes: "auto" (CPU) chooses per (q/k/v shapes, dtype, causal, gqa) key by
 timing both forms on the real inputs of a calibration call; a shape never
-calibrated keeps plain SDPA. The mask is not part of the key: it adds about as
+calibrated keeps plain SDPA. "auto-bf16" also times the math form run in bf16 for
+float32 inputs: planned only for int8 models on CPUs with native bf16, whose error
+budget is the quantization's (quantization/plan.py says why). The mask is not part of the key: it adds about as
 much to either form (a few percent of SDPA's time in an ad-hoc check), and
 models such as transformers' drop an all-ones mask in eager but keep it while
 being traced. "opaque" (accelerators) sends every dropout-free call to
@@ -71,19 +73,53 @@ def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool)
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
+def low_math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``math_attention`` computed in ``dtype``, returned in q's dtype. Used for float32
+    inputs of int8 models only, where bf16's ~0.4% rounding of the scores sits below the
+    int8 activations' own error (the guard still checks the model against its quantized
+    reference)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # As an additive bias: inductor otherwise recomputes the bool mask (from the model's int64
+        # attention_mask) inside both passes of every layer's softmax. 12 bert-base layers, bs1,
+        # seq 128, compiled, 2-core Zen 4: 4.95 ms against 5.68 with the bool mask (/tmp diag).
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        attn_mask = attn_mask.to(dtype)
+    out = math_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask, is_causal, scale, enable_gqa)
+    return out.to(q.dtype)
+
+
 @torch.library.custom_op("torchkiln::sdpa_math", mutates_args=())
 def sdpa_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
               is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
     """The eager form of ``math_attention``. Opaque to the compiler, so it may look at
     data: an all-pass mask (which traced models keep) costs a full pass over the scores
     for nothing. Not on accelerators: the check is a host sync, and breaks CUDA-graph capture."""
+    return math_attention(q, k, v, _all_pass_dropped(q, attn_mask), is_causal, scale, enable_gqa)
+
+
+def _all_pass_dropped(q, attn_mask):
     if (attn_mask is not None and q.device.type == "cpu"
             and bool(attn_mask.all() if attn_mask.dtype == torch.bool else not attn_mask.any())):
-        attn_mask = None
-    return math_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+        return None
+    return attn_mask
 
 
 @sdpa_math.register_fake
+def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("torchkiln::sdpa_math_bf16", mutates_args=())
+def sdpa_math_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                   is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """The eager form of ``low_math_attention`` in bf16 (opaque, as ``sdpa_math``)."""
+    return low_math_attention(q, k, v, _all_pass_dropped(q, attn_mask), is_causal, scale, enable_gqa)
+
+
+@sdpa_math_bf16.register_fake
 def _(q, k, v, attn_mask, is_causal, scale, enable_gqa):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
@@ -172,17 +208,23 @@ def _key(b) -> tuple | None:
     return shapes, str(q.dtype), bool(b["is_causal"]), bool(b["enable_gqa"])
 
 
+# The forms the router chooses between: eager (an opaque op) and traced (inline, for
+# inductor to fuse: math_attention's docstring). SDPA itself stays opaque either way.
+FORMS = {"math": (math_attention, "sdpa_math"), "math-bf16": (low_math_attention, "sdpa_math_bf16")}
+
+
 class SDPARouter(TorchFunctionMode):
     """Enter around a model call. mode="auto": ``calibrating=True`` measures unseen
-    shapes on real inputs (CPU); mode="opaque": every call goes to torchkiln::sdpa."""
+    shapes on real inputs (CPU); "auto-bf16": also the math form in bf16, for float32
+    inputs; mode="opaque": every call goes to torchkiln::sdpa."""
 
     def __init__(self, mode: str = "auto"):
         super().__init__()
-        if mode not in ("auto", "opaque"):
-            raise ValueError(f"SDPARouter mode must be 'auto' or 'opaque', not {mode!r}")
+        if mode not in ("auto", "auto-bf16", "opaque"):
+            raise ValueError(f"SDPARouter mode must be 'auto', 'auto-bf16' or 'opaque', not {mode!r}")
         self.mode = mode
-        self.choices: dict[tuple, bool] = {}  # key -> use math (else torchkiln::sdpa)
-        self.timings: dict[tuple, tuple[float, float]] = {}
+        self.choices: dict[tuple, str] = {}  # key -> "sdpa" | "math" | "math-bf16"
+        self.timings: dict[tuple, dict[str, float]] = {}  # key -> {form: seconds}
         self.calibrating = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -207,31 +249,42 @@ class SDPARouter(TorchFunctionMode):
         key = _key(b)
         if key is not None and self.calibrating and key not in self.choices:
             self._measure(key, b)
-        use_math = self.choices.get(key)
-        if use_math is None:
+        form = self.choices.get(key)
+        if form is None:
             return None
-        if not use_math:
+        if form == "sdpa":
             return torch.ops.torchkiln.sdpa
-        # Traced: inline, for inductor to fuse (math_attention's docstring); eager: the op.
-        return math_attention if torch.compiler.is_compiling() else torch.ops.torchkiln.sdpa_math
+        inline, op = FORMS[form]
+        return inline if torch.compiler.is_compiling() else getattr(torch.ops.torchkiln, op)
 
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
+        rest = (b["is_causal"], b["scale"], b["enable_gqa"])
+        forms = {"sdpa": (sdpa, (q, k, v, m)), "math": (sdpa_math, (q, k, v, m))}
+        if self.mode == "auto-bf16" and q.dtype == torch.float32:
+            # The fp32 math form is not timed here: on the CPUs this mode is planned for, bf16's
+            # GEMMs run at twice fp32's rate, and the bf16 form replaces it. It is timed on inputs
+            # cast beforehand: compiled, the casts fuse into the kernels that produce q, k and v.
+            # Eager, at bert-base's shapes on a 2-core Zen 4, they cost ~16% (504 against 427 us
+            # per layer; SDPA 612), and the calibration timed the two forms 686 vs 642 us: a
+            # margin that noise could flip.
+            low = [t.to(torch.bfloat16) if t is not None and t.is_floating_point() else t for t in (q, k, v, m)]
+            forms = {"sdpa": forms["sdpa"], "math-bf16": (sdpa_math, tuple(low))}
         with torch.no_grad():
-            args = (q, k, v, m, b["is_causal"], b["scale"], b["enable_gqa"])
-            t_sdpa = median_seconds(lambda: attention(*args, sdpa))
-            t_math = median_seconds(lambda: attention(*args, sdpa_math))
-        self.timings[key] = (t_sdpa, t_math)
-        # Eager forms are timed here, but a compiled model runs math_attention inline, where
-        # inductor fuses its softmax: at equal eager times the compiled math form measured
+            self.timings[key] = {n: median_seconds(lambda op=op, a=a: attention(*a, *rest, op))
+                                 for n, (op, a) in forms.items()}
+        t = self.timings[key]
+        # Eager forms are timed here, but a compiled model runs the math forms inline, where
+        # inductor fuses their softmax: at equal eager times the compiled math form measured
         # 1.05x SDPA's flash kernel (bert-base fp32 bs1, 2-core Zen 4; RESULTS.md). So math
         # wherever it is not slower eager.
-        self.choices[key] = t_math < t_sdpa
+        self.choices[key] = min(t, key=lambda n: (t[n], n == "sdpa"))
 
     def summary(self) -> str:
         if self.mode == "opaque":
             return "opaque: every dropout-free SDPA call runs as torchkiln::sdpa"
-        used = sum(self.choices.values())
-        parts = [f"{1e6 * s:.0f} vs {1e6 * m:.0f} us" for s, m in self.timings.values()]
-        return (f"auto: math attention for {used}/{len(self.choices)} shapes, torchkiln::sdpa for "
-                f"{len(self.choices) - used} (sdpa vs math: {', '.join(parts)})")
+        used = sum(c != "sdpa" for c in self.choices.values())
+        forms = sorted({c for c in self.choices.values() if c != "sdpa"}) or ["math"]
+        parts = [" vs ".join(f"{n} {1e6 * s:.0f}" for n, s in t.items()) + " us" for t in self.timings.values()]
+        return (f"{self.mode}: {'/'.join(forms)} attention for {used}/{len(self.choices)} shapes, torchkiln::sdpa "
+                f"for {len(self.choices) - used} ({', '.join(parts)})")

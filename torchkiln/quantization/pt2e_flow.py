@@ -127,7 +127,20 @@ def convert(prepared: nn.Module) -> nn.Module:
         from torchao.quantization.pt2e import move_exported_model_to_eval as move
     except ImportError:
         move = getattr(torch.ao.quantization, "move_exported_model_to_eval", None)
-    return move(out) if move is not None else out
+    out = move(out) if move is not None else out
+    return functional_sdpa(out)
+
+
+def functional_sdpa(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Call attention as ``F.scaled_dot_product_attention`` (export records the aten op), so the
+    attention router (passes/sdpa_math.py), which intercepts the functional call, can choose its
+    form inside the quantized graph too. The same op runs when no router is entered."""
+    nodes = [n for n in graph.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    for n in nodes:
+        n.target = torch.nn.functional.scaled_dot_product_attention
+    if nodes:
+        graph.recompile()
+    return graph
 
 
 def observer_state(prepared: nn.Module) -> dict:
