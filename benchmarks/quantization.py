@@ -78,6 +78,9 @@ def cpu_part(budget):
               f"vs eager fp32: {ms['eager fp32'] / ms['torchkiln int8-static']:.2f}x; served: "
               f"{kiln.kiln_report.active}; quantization worst output "
               f"{kiln.kiln_report.quantization['min_sqnr_db']:.1f} dB")
+        for line in kiln.kiln_report.applied:
+            if line.startswith("attention"):
+                print(f"  {line}")
         rows.append((name, ms))
     return rows
 
