@@ -4,7 +4,8 @@
 
 Peers per shape and row count, interleaved over rounds (medians): dense F.linear; RowLinear (the
 decode step's form: one row as a multiply-and-sum, compiled into a reduction; more rows, F.linear); the int8
-expression ``F.linear(x, q.to(dtype)) * scale`` compiled; torch's ``_weight_int8pack_mm``; and
+expression ``F.linear(x, q.to(dtype)) * scale`` compiled; at one row, the int8 reduction
+``(x * q).sum(-1) * scale`` compiled (RowLinear's form on int8 weights); torch's ``_weight_int8pack_mm``; and
 torch's ``_weight_int4pack_mm_for_cpu`` (bf16 only, where this torch has it). GB/s counts the
 weight bytes read once per call. Each peer cycles through copies of its weights (>= 128 MB in all),
 so they come from DRAM, not the L3 cache.
@@ -52,6 +53,7 @@ def main() -> int:
             lin = torch.nn.Linear(k, n, bias=False).to(dt)
             q8 = Int8Linear(lin)
             expr = torch.compile(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s)
+            red8 = torch.compile(lambda x, w, s: ((x.unsqueeze(-2).float() * w.float()).sum(-1) * s).to(x.dtype))
             for rows in (int(r) for r in a.rows.split(",")):
                 x = torch.randn(rows, k, dtype=dt)
                 count = max(2, (128 << 20) // (n * k))
@@ -61,6 +63,8 @@ def main() -> int:
                          "int8 _weight_int8pack_mm": (torch.ops.aten._weight_int8pack_mm,
                                                       [(x, q8.weight.clone(), q8.scales) for _ in range(count)], n * k)}
                 peers["int8 expression (compiled)"] = (expr, peers["int8 _weight_int8pack_mm"][1], n * k)
+                if rows == 1:
+                    peers["int8 reduction (compiled)"] = (red8, peers["int8 _weight_int8pack_mm"][1], n * k)
                 rows_lin = [torch.compile(linear_of(w, None, RowLinear), dynamic=False) for _, w in peers["dense"][1]]
                 peers["RowLinear (compiled)"] = (lambda x, m: m(x), [(x, m) for m in rows_lin],
                                                  n * k * lin.weight.element_size())
