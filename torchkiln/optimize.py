@@ -10,12 +10,17 @@ serves calls; the report keeps every measurement. Later:
 - a failure that is not the user's (the original accepts the inputs) steps down
   to the next candidate in measured order, only if that one passes on the same
   inputs; an out-of-memory error is re-raised, never a reason to step down;
-- an in-place change of the original's weights (load_state_dict, an EMA update)
-  is noticed through tensor version counters and the served candidate rebuilt.
+- a change of the original's weights (load_state_dict, an EMA update, ``p.data = t``,
+  a new Parameter) is noticed through tensor version counters, storage pointers and
+  the modules' parameter slots, and the served candidate rebuilt;
+- the runs that choose (reference, candidates, timing) leave no trace: buffers, plain
+  attributes and input tensors a run changed in place are put back (pristine.py), and
+  the caller's call then runs once for real.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import threading
@@ -40,10 +45,10 @@ from .modelutil import (
     model_device,
     model_dtype,
     parse_dtype,
-    tensors,
     training_module,
 )
 from .plan import INTEL_ONLY, KNOBS, plan
+from .pristine import Pristine
 from .progress import ticks
 from .recipe import Recipe
 from .report import Fallback, Measurement, Report
@@ -91,8 +96,9 @@ class KilnModule(OriginalFace):
         s(self, "_order", [])  # candidate names to step down to, in order
         s(self, "_tols", None)
         s(self, "_shapes", set())
-        s(self, "_weights", tensors(self.kiln_original))
+        s(self, "_weights", _slots(self.kiln_original))
         s(self, "_versions", None)
+        s(self, "_snap", None)  # Pristine, while a selection runs
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
 
     def __getstate__(self):
@@ -126,11 +132,12 @@ class KilnModule(OriginalFace):
                 if self._fn is None or self._stale():
                     if self._fn is not None:
                         self._reset(choice=self.kiln_report.active)
-                        log.info("torchkiln: the original's weights changed in place; rebuilding %s", self._choice)
-                    return self._setup(args, kwargs)
+                        log.info("torchkiln: the original's weights changed; rebuilding %s", self._choice)
+                    with self._pristine(args, kwargs):
+                        return self._setup(args, kwargs)
                 fn = self._fn
         if self._check_shape(args, kwargs):
-            with self._lock:
+            with self._lock, self._pristine(args, kwargs):
                 return self._verify_shape(args, kwargs)
         try:
             return self._serve(fn, args, kwargs)
@@ -139,8 +146,31 @@ class KilnModule(OriginalFace):
                 raise
             with self._lock:
                 if self._fn is fn:
-                    return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}")
+                    with self._pristine(args, kwargs):
+                        return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}")
             return self.forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _pristine(self, args, kwargs):
+        """A snapshot for the runs of one selection (nested calls share it)."""
+        if self._snap is not None:
+            yield
+            return
+        object.__setattr__(self, "_snap", Pristine(self.kiln_original, args, kwargs))
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_snap", None)
+
+    def _restore(self) -> None:
+        if self._snap is not None:
+            self._snap.restore()
+
+    def _for_real(self, fn, args, kwargs):
+        """The caller's call, after the choosing runs: from the state they found, once."""
+        self._restore()
+        self._remember_weights()
+        return self._serve(fn, args, kwargs)
 
     def _serve(self, fn, args, kwargs):
         if self.kiln_original.training:
@@ -156,10 +186,15 @@ class KilnModule(OriginalFace):
             return fn(*args, **kwargs)
 
     def _stale(self) -> bool:
-        return self._versions is not None and [t._version for t in self._weights] != self._versions
+        return self._versions is not None and (
+            any(d.get(k) is not t for d, k, t in self._weights)
+            or [(t._version, t.data_ptr()) for _, _, t in self._weights] != self._versions)
 
     def _remember_weights(self) -> None:
-        object.__setattr__(self, "_versions", [t._version for t in self._weights])
+        if self._snap is not None and self._snap.mutated:  # the model's own state (a counter): not weights
+            own = {id(t) for t in self._snap.mutated}
+            object.__setattr__(self, "_weights", [w for w in self._weights if id(w[2]) not in own])
+        object.__setattr__(self, "_versions", [(t._version, t.data_ptr()) for _, _, t in self._weights])
 
     # ------------------------------------------------------------- reference
     def _reference(self, args, kwargs):
@@ -167,6 +202,7 @@ class KilnModule(OriginalFace):
         if self._opts["inplace"]:
             return None  # its weights are the optimized ones now: no untouched truth
         ref_args, ref_kwargs = inputs.to((args, kwargs), model_device(self.kiln_original))
+        self._restore()
         with eval_mode(self.kiln_original), torch.no_grad():
             return self.kiln_original(*ref_args, **ref_kwargs)
 
@@ -248,8 +284,7 @@ class KilnModule(OriginalFace):
         if report.first_call_seconds is None:
             report.first_call_seconds = round(time.perf_counter() - t0, 3)
         self._mark_verified(args, kwargs)
-        self._remember_weights()
-        return self._serve(passed[best], args, kwargs)
+        return self._for_real(passed[best], args, kwargs)
 
     def _rebuild(self, args, kwargs, ref, measures):
         """After a weight change or a copy: rebuild the candidate that was chosen, keep
@@ -267,13 +302,13 @@ class KilnModule(OriginalFace):
         cand = self._current(cand)
         self._install(cand.name, fn, [cand.name] + [c.name for c in self._cands if c.name != cand.name])
         self._mark_verified(args, kwargs)
-        self._remember_weights()
-        return self._serve(fn, args, kwargs) if cand.cuda_graphs else out
+        return self._for_real(fn, args, kwargs)
 
     def _try(self, cand: Candidate, args, kwargs, measures) -> tuple:
         """Build and run once. Returns (callable, output, None) or (None, None, reason)."""
         try:
             fn = cand.make()
+            self._restore()
             with torch.no_grad():
                 out = fn(*args, **kwargs)
             return fn, out, None
@@ -325,6 +360,8 @@ class KilnModule(OriginalFace):
             graphs = self._find(name).cuda_graphs
             call = (lambda fn=fn: inputs.tree_map(torch.clone, fn(*args, **kwargs))) if graphs else \
                 (lambda fn=fn: fn(*args, **kwargs))
+            if self._snap is not None and self._snap.changed:  # a model that writes its state or inputs
+                call = _after(self._restore, call)
             try:
                 with torch.no_grad():
                     for _ in range(warm):
@@ -404,9 +441,7 @@ class KilnModule(OriginalFace):
         warn_once(f"orig:{id(self)}", f"torchkiln: {reason}; serving {cand.name!r}. See tk.report(model).")
         self._install(cand.name, fn, [cand.name])
         self._mark_verified(args, kwargs)
-        self._remember_weights()
-        with torch.no_grad():
-            return fn(*args, **kwargs) if ref is None else ref
+        return self._for_real(fn, args, kwargs)
 
     # ----------------------------------------------------- later: verify / step down
     def _verify_shape(self, args, kwargs):
@@ -415,7 +450,7 @@ class KilnModule(OriginalFace):
             return self._serve(self._fn, args, kwargs)
         ref = self._reference(args, kwargs)  # raises for inputs the model itself rejects
         try:
-            out = self._serve(self._fn, args, kwargs)
+            out = self._for_real(self._fn, args, kwargs)
         except Exception as e:
             if is_oom(e) or self._served.kind == "original":
                 raise
@@ -450,7 +485,7 @@ class KilnModule(OriginalFace):
             warn_once(f"fb:{id(self)}:{here}", f"torchkiln: {here} -> {cand.name}: {reason}")
             self._install(cand.name, fn, self._order)
             self._mark_verified(args, kwargs)
-            return self._serve(fn, args, kwargs) if cand.cuda_graphs else out
+            return self._for_real(fn, args, kwargs)
         return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
 
     # ------------------------------------------------------- the original's face
@@ -558,9 +593,10 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     elif calib_data is not None:
         raise ValueError("calib_data= is only used with quantize= (e.g. quantize='int8-static'); "
                          "without it, remove calib_data")
-    sample = None
+    sample = snap = None
     if sample_input is not None:
         sample = inputs.to(inputs.normalize(sample_input), target)
+        snap = Pristine(model, *sample)  # the sample runs are optimize's, not the caller's: no trace left
         _check_sample(model, sample)
     quant = getattr(model, "kiln_quant", None)
     if quant is not None:
@@ -591,6 +627,8 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
                 kiln(*sample[0], **sample[1])  # compile, verify and time now, not on the user's first request
             finally:
                 object.__setattr__(kiln, "_tick", None)
+                snap.restore()
+                kiln._remember_weights()
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     log.info("%s", report)
     return kiln
@@ -652,3 +690,18 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
 
+
+
+def _slots(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """Where each weight lives: (the module's _parameters or _buffers dict, name, tensor). A new
+    Parameter assigned to a module shows as a slot holding another tensor; ``p.data = t`` as a
+    new storage pointer; an in-place write as a version bump (``KilnModule._stale``)."""
+    return [(d, k, t) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
+            if t is not None]
+
+
+def _after(first, fn):
+    def call():
+        first()
+        return fn()
+    return call

@@ -70,6 +70,23 @@ def test_left_padded_batch_matches_hf_and_single_rows(models, family):
     assert torch.equal(got[0, 3:], alone[0])
 
 
+def test_left_pads_without_a_mask_are_inferred_as_transformers_does(models):
+    """No attention_mask: the pad token (not an eos) marks padding, as in transformers' generate;
+    the padded row then decodes as the same prompt alone does. With the pad also an eos token,
+    nothing is inferred (transformers' rule too)."""
+    model, fast = models("llama")
+    ids = prompt(2, 8, seed=31)
+    ids[0, :3] = 0
+    got = fast.generate(ids, max_new_tokens=8, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=8, **GREEDY))
+    alone = fast.generate(ids[:1, 3:], max_new_tokens=8, **GREEDY)
+    assert torch.equal(got[0, 3:], alone[0])
+    from torchkiln.llm.generate import inferred_mask
+
+    assert inferred_mask(ids, 0, (0,)) is None and inferred_mask(ids[1:], 0, ()) is None
+    assert torch.equal(inferred_mask(ids, 0, (2,))[0], (torch.arange(8) >= 3).long())
+
+
 def test_compiled_decode_matches_hf(models):
     model = build("llama", seed=4)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)

@@ -20,7 +20,7 @@ from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
-from .generate import Fallback, resolve, run
+from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections
 from .quant import gptq_codes
 from .quant import quantize as quantize_decoder
@@ -256,6 +256,8 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
         if _moved(runner):
             runner = _rebuild(self, runner, report)
         req = resolve(self, ids.shape[1], generation_config, rest)
+        if mask is None:
+            mask = inferred_mask(ids, req.pad, req.sampling.eos)
         with torch.no_grad():
             seq, scores, logits = run(runner, ids, mask, req, streamer)
     except Fallback as f:

@@ -102,6 +102,16 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
                    bool(get("output_logits", False)), bool(get("return_dict_in_generate", False)), lookup, ngram)
 
 
+def inferred_mask(ids: torch.Tensor, pad: int | None, eos: tuple) -> torch.Tensor | None:
+    """The attention mask transformers' generate infers when none is given: a pad token that is not
+    an eos token and occurs in the prompt marks padding (``_prepare_attention_mask_for_generation``).
+    Without it, a left-padded prompt decoded as if its pads were text (wrong tokens; the new-user
+    sweep, 2026-11-22)."""
+    if pad is None or pad in eos or not bool((ids == pad).any()):
+        return None
+    return ids.ne(pad).long()
+
+
 def left_padding(mask: torch.Tensor) -> torch.Tensor:
     """Pad count per row; Fallback for a mask that is not left padding (zeros after ones)."""
     m = mask.bool()

@@ -1,0 +1,78 @@
+"""tk.optimize leaves no trace of the runs that choose a candidate (torchkiln/pristine.py), and
+notices weights replaced after it (optimize.py ``_slots``). References are the same model
+class run eagerly on a deep copy, call for call."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+
+
+class Counter(nn.Module):
+    """Output scaled by how many times forward ran: a buffer and a plain attribute count."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.calls = 0
+
+    def forward(self, x):
+        self.count += 1
+        self.calls += 1
+        return self.lin(x) * self.count + self.calls
+
+
+class Doubler(nn.Module):
+    """Writes its input in place, as some preprocessing layers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("with_sample", [True, False])
+def test_state_written_in_forward_advances_once_per_caller_call(with_sample):
+    torch.manual_seed(0)
+    model, x = Counter().eval(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    fast = tk.optimize(model, sample_input=x if with_sample else None, time_budget=0.2)
+    assert int(model.count) == 0 and model.calls == 0  # optimize's own runs left nothing
+    for n in range(1, 4):
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), twin(x), rtol=1e-5, atol=1e-5)
+        assert int(model.count) == n and model.calls == n
+    assert fast.kiln_report.active  # it served something, and its choice held over the calls
+
+
+def test_inputs_written_in_place_are_the_callers_again_after_each_run():
+    torch.manual_seed(1)
+    model = Doubler().eval()
+    x = torch.randn(4, 8)
+    before = x.clone()
+    fast = tk.optimize(model, sample_input=x, time_budget=0.2)
+    assert torch.equal(x, before)  # the sample, untouched
+    assert not [f for f in fast.kiln_report.fallbacks if "guard" in f.reason]  # every run saw the same input
+    y, y_ref = before.clone(), before.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(y), model(y_ref), rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, y_ref)  # the caller's call wrote it once, as eager does
+
+
+def test_replaced_weights_are_noticed():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 32)
+    fast = tk.optimize(model, sample_input=x, time_budget=0.2, candidates="torchkiln")
+    with torch.no_grad():
+        model[0].weight.data = torch.randn_like(model[0].weight)  # new storage, same Parameter
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+        model[2].weight = nn.Parameter(torch.randn_like(model[2].weight))  # a new Parameter
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)

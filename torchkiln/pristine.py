@@ -1,0 +1,47 @@
+"""What a call may change in place, kept so that choosing a candidate leaves no trace.
+
+tk.optimize runs the original and each candidate several times on the caller's inputs
+(reference, verification, timing). A model that updates a buffer in forward (a running
+counter, an EMA), a plain attribute, or its input tensor in place would otherwise see
+every one of those runs: a counter stood at 9 after tk.optimize and the caller's
+sample_input had been doubled 7 times (the new-user sweep, 2026-11-22). A Pristine
+snapshot is taken before those runs and put back before each of them and before the
+one call the caller asked for, which then runs for real.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import inputs
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+class Pristine:
+    def __init__(self, model: nn.Module, args, kwargs):
+        # Clones are cheap next to the runs they protect (buffers are small beside the weights);
+        # restore() copies back only what a run changed, found by version counter.
+        self._tensors = [(t, t._version, t.detach().clone())
+                         for t in [*model.buffers(), *inputs.flatten((args, kwargs))]]
+        self._attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN and not k.startswith("_")})
+                       for m in model.modules()]
+        self._n_buffers = sum(1 for _ in model.buffers())
+        self.mutated: list[torch.Tensor] = []  # buffers a run changed: the model's own state
+        self.changed = False  # did any run change a buffer, an attribute or an input?
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for i, (t, version, saved) in enumerate(self._tensors):
+                if t._version != version:
+                    if i < self._n_buffers and not any(t is m for m in self.mutated):
+                        self.mutated.append(t)
+                    t.copy_(saved)
+                    self.changed = True
+                    self._tensors[i] = (t, t._version, saved)
+        for m, saved in self._attrs:
+            for k, v in saved.items():
+                if vars(m).get(k, v) is not v:
+                    vars(m)[k] = v
+                    self.changed = True
