@@ -87,6 +87,23 @@ def test_left_pads_without_a_mask_are_inferred_as_transformers_does(models):
     assert torch.equal(inferred_mask(ids, 0, (2,))[0], (torch.arange(8) >= 3).long())
 
 
+def test_each_compiled_step_has_its_own_dynamo_cache(monkeypatch):
+    """Models and cache shapes in one process do not share one dynamo cache entry list: with the
+    recompile limit at 1, two models and two batch sizes still each decode compiled and exact."""
+    import torch._dynamo.config as dc
+
+    knob = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(dc, knob, 1)
+    for seed in (32, 33):
+        model = build("llama", seed=seed)
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
+        for batch in (1, 2):
+            ids = prompt(batch, 5, seed=seed)
+            got = fast.generate(ids, max_new_tokens=4, **GREEDY)
+            assert torch.equal(got, model.generate(ids, max_new_tokens=4, **GREEDY))
+        assert not fast.kiln_report.fallbacks and len(fast.kiln_report.compile_s) == 2
+
+
 def test_compiled_decode_matches_hf(models):
     model = build("llama", seed=4)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
@@ -263,6 +280,11 @@ def test_tk_optimize_routes_a_decoder_to_the_llm_path():
     assert fast.kiln_report.dtype == "float32"  # tk.optimize's dtype=None keeps the model's precision
     ids = prompt(seed=20)
     assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
+    assert fast.kiln_report.compile
+    eager = tk.optimize(model, graph_mode=False)  # IPEX's knob: no torch.compile, on this path too
+    assert not eager.kiln_report.compile
+    assert torch.equal(eager.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
+    assert not eager.kiln_report.compile_s
 
 
 @pytest.mark.parametrize("quant,cos,tol", [("int8", 0.999, 2e-2), ("int4", 0.95, 0.3)])

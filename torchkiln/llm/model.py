@@ -128,11 +128,12 @@ def _row_product(x, weight, bias):
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def _fresh(fn):
+def fresh(fn):
     """``fn`` with a code object of its own: dynamo caches compiled code per code object, and a
     process that measures many models' shapes must not reach its recompile limit (past it, the
     reduction would run eagerly and materialise the product)."""
-    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{next(_fresh_ids)}"), fn.__globals__)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_fresh_ids)}")
+    return types.FunctionType(code, fn.__globals__, None, fn.__defaults__, fn.__closure__)
 
 
 def reduction_pays(weights: list[torch.Tensor]) -> tuple[bool, float, float]:
@@ -140,8 +141,8 @@ def reduction_pays(weights: list[torch.Tensor]) -> tuple[bool, float, float]:
     ``weights`` (same shape; the layers' widest projection) so they come from memory as in
     decode. A 10% margin: a swap is only worth it for a clear win."""
     x = torch.randn(1, 1, weights[0].shape[1], dtype=weights[0].dtype)
-    lin = torch.compile(_fresh(lambda x, w: F.linear(x, w)), dynamic=False)
-    red = torch.compile(_fresh(lambda x, w: _row_product(x, w, None)), dynamic=False)
+    lin = torch.compile(fresh(lambda x, w: F.linear(x, w)), dynamic=False)
+    red = torch.compile(fresh(lambda x, w: _row_product(x, w, None)), dynamic=False)
     times = []
     with torch.no_grad():
         for fn in (lin, red):

@@ -17,7 +17,7 @@ import torch
 
 from .._log import warn_once
 from ..modelutil import first_line, is_oom
-from .model import FastDecoder
+from .model import FastDecoder, fresh
 
 log = logging.getLogger(__name__)
 CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length compiles once
@@ -102,7 +102,11 @@ class Runner:
         return out
 
     def _build(self, every: bool = False):
-        step = functools.partial(self.decoder, every=True) if every else self.decoder
+        decoder = self.decoder
         if not self.compile:
-            return step
+            return functools.partial(decoder, every=True) if every else decoder
+        # A code object of its own per compiled step: dynamo caches compiled code per code object,
+        # and every FastDecoder shares forward's, so the 5th model of a process (or a model's 9th
+        # batch/cache shape) reached the recompile limit (8) and decoded eagerly from then on.
+        step = fresh(lambda tokens, slots, positions: decoder(tokens, slots, positions, every=every))
         return torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
