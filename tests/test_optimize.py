@@ -374,6 +374,16 @@ def test_bad_inputs_get_clear_errors():
         tk.optimize(mlp(), fast=True)
     with pytest.raises(ValueError, match="sample_input was rejected by the model itself"):
         tk.optimize(mlp(), sample_input=torch.randn(2, 7))
+    with pytest.raises(ValueError, match=r"compile_options key 'max_autotun' .*did you mean 'max_autotune'"):
+        tk.optimize(mlp(), compile_options={"max_autotun": True})
+    with pytest.raises(ValueError, match=r"'triton.cudagraph' .*'triton.cudagraphs'"):
+        tk.optimize(mlp(), compile_options={"triton.cudagraph": True})
+    with pytest.raises(TypeError, match="compile_options=.*must be a dict"):
+        tk.optimize(mlp(), compile_options=["max_autotune"])
+    with pytest.raises(ValueError, match=r"device='gpu' is not a device torch knows.*usable devices: \['cpu'"):
+        tk.optimize(mlp(), device="gpu")
+    with pytest.raises(TypeError, match="inplace='yes' must be True or False"):
+        tk.optimize(mlp(), inplace="yes")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda:0' is not usable.*usable devices: \['cpu'\]"):
             tk.optimize(mlp(), device="cuda")

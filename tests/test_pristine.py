@@ -76,3 +76,26 @@ def test_replaced_weights_are_noticed():
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
         model[2].weight = nn.Parameter(torch.randn_like(model[2].weight))  # a new Parameter
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_hooks_keep_firing(dtype):
+    """A feature-extraction hook runs once per call, with the served model's input to that layer;
+    only candidates that run the model's own modules compete, and the report says why."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).eval()
+    seen = []
+    model[5].register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach().float()))
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.warns(UserWarning, match="forward hooks on 5"):
+        fast = tk.optimize(model, dtype=dtype, sample_input=x, time_budget=0.2)
+    seen.clear()
+    with torch.no_grad():
+        for _ in range(3):
+            fast(x)
+        ref = nn.Sequential(*model[:5])(x)
+    assert len(seen) == 3
+    torch.testing.assert_close(seen[-1], ref, rtol=5e-2 if dtype == torch.bfloat16 else 1e-5, atol=5e-2)
+    assert any("forward hooks" in f.reason for f in fast.kiln_report.fallbacks)
+    assert fast.kiln_report.active in {m.name for m in fast.kiln_report.candidates if m.kind in ("eager", "original")}

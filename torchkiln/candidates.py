@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from . import inputs, stock
-from .modelutil import DTYPES, dtype_name, has_conv, model_device, model_dtype
+from ._log import warn_once
+from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model_dtype
 from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
 from .recipe import Recipe
@@ -178,6 +179,18 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
         out += _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)
     if not inplace:
         out.append(Candidate("original model", "original", _dtype_of(original), lambda: OnDevice(original), tier=2))
+    hooks = hooked(original)
+    if hooks and not inplace:
+        # Only candidates that call the model's own modules (eager, a cast copy, autocast) run them.
+        why = (f"forward hooks on {', '.join(hooks[:3])}{' and more' if len(hooks) > 3 else ''}: only candidates "
+               "that run the model's own modules call them; remove the hooks to let the others compete")
+        if not any(f.reason == why for f in fallbacks):  # candidates() runs again at each rebuild
+            fallbacks.append(Fallback("traced and transformed candidates", "eager ones", why))
+        warn_once(f"hooks:{id(original)}", f"torchkiln: {why}")
+        out = [c for c in out if c.kind in ("eager", "original")]
+    elif hooks:  # inplace=True transforms the model itself: nothing untouched is left to serve
+        warn_once(f"hooks:{id(original)}", f"torchkiln: forward hooks on {', '.join(hooks[:3])} may not run in the "
+                  "model transformed in place (inplace=True); use inplace=False to keep them")
     return out
 
 

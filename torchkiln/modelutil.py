@@ -98,3 +98,16 @@ def keeps_mode(fn):
         with eval_mode(model):
             return fn(model, *args, **kwargs)
     return wrapper
+
+
+def hooked(model: nn.Module) -> list[str]:
+    """Where forward hooks would run: the names of modules with forward (pre-)hooks, and "every
+    module (global hooks)" for nn.modules.module's global ones. A traced or transformed copy of
+    the model does not call them (a feature-extraction hook fired 0 times in 3 calls of the
+    compiled candidate: the new-user sweep, 2026-11-22)."""
+    from torch.nn.modules import module as mod
+
+    names = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None):
+        names.append("every module (global hooks)")
+    return names

@@ -562,6 +562,8 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
                          "input shapes against the original, 'first' only the first call, 'off' none")
     if progress not in (None, True, False):
         raise ValueError(f"progress={progress!r} must be True, False or None (the default)")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace={inplace!r} must be True or False")
     if not isinstance(time_budget, (int, float)) or time_budget < 0:
         raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
     if optimizer is not None:
@@ -667,7 +669,13 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def _resolve_device(model: nn.Module, device, hw) -> torch.device:
-    target = torch.device(device) if device is not None else model_device(model)
+    try:
+        target = torch.device(device) if device is not None else model_device(model)
+    except (RuntimeError, TypeError) as e:
+        from .hardware import devices
+
+        raise ValueError(f"device={device!r} is not a device torch knows ({first_line(e)}); usable devices: "
+                         f"{devices(hw)}") from None
     if target.type == "cpu":
         return torch.device("cpu")
     if target.index is None:

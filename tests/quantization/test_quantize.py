@@ -508,3 +508,12 @@ def test_static_int8_calibrated_at_batch_1_serves_other_batch_sizes():
         x = torch.randn(b, 3, 16, 16)
         with torch.no_grad():
             assert sqnr_db(net(x), q(x)) > 25
+
+
+def test_fp8_on_the_cpu_is_a_clear_error():
+    """torchao's fp8 has no CPU kernel; the error names the scheme, the device and what works."""
+    mlp = nn.Sequential(nn.Linear(64, 64)).eval()
+    for call in (lambda: tk.quantize(mlp, "fp8", calib_data=[torch.randn(4, 64)], progress=False),
+                 lambda: tk.optimize(mlp, quantize="fp8", sample_input=torch.randn(4, 64))):
+        with pytest.raises(ValueError, match=r"scheme='fp8' cannot run on cpu: .*int8-static"):
+            call()

@@ -47,6 +47,14 @@ class Fp32Island(nn.Module):
         self.module = remake(module, floating(lambda t: t.float()))
         self.out_dtype = out_dtype
 
+    def __getattr__(self, name: str):
+        # Parents may read their children's attributes (nn.TransformerEncoderLayer's fast path
+        # reads norm1.weight and norm1.eps): an island answers for the module it wraps.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
     def forward(self, *args, **kwargs):
         up = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         out = self.module(*up, **kwargs)

@@ -89,6 +89,7 @@ def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
             notes.append("onednn_graph=True ignored: CPU only, and this torch build must have the oneDNN Graph fuser")
     opts = dict(recipe.compile_options)
     if knobs.get("compile_options"):
+        _check_compile_options(knobs["compile_options"])
         opts.update(knobs["compile_options"])
         changes["cuda_graphs"] = bool(opts.get("triton.cudagraphs")) and recipe.device.startswith("cuda")
     if "onednn_linear" in passes and opts.get("cpp_wrapper"):
@@ -106,3 +107,23 @@ def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _check_compile_options(opts) -> None:
+    """Every key an inductor config option: a typo otherwise failed the compiled candidate
+    and served eager, said only in the report (the new-user sweep, 2026-11-22)."""
+    import difflib
+
+    import torch._inductor.config as ic
+
+    if not isinstance(opts, dict):
+        raise TypeError(f"compile_options={opts!r} must be a dict of torch._inductor.config options, "
+                        "e.g. {'max_autotune': True}")
+    for key in opts:
+        obj = ic
+        for part in str(key).split("."):
+            if not hasattr(obj, part):
+                close = difflib.get_close_matches(str(key), list(ic.get_config_copy()), n=3)
+                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                raise ValueError(f"compile_options key {key!r} is not a torch._inductor.config option{hint}")
+            obj = getattr(obj, part)

@@ -153,6 +153,12 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
 
 def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
     dtype = model_dtype(model)
+    if config.scheme == "fp8":
+        from ..hardware import detect
+
+        fast, why = fast_here(config.scheme, dev, detect(), dtype)
+        if not fast:  # torchao's fp8 has no kernel here at all: its own assertion would be the error
+            raise ValueError(f"scheme='fp8' cannot run on {dev}: {why}")
     _warn_if_slow(config, dev, dtype)
     was_training = model.training
     model.eval()
