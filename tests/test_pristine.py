@@ -99,3 +99,24 @@ def test_forward_hooks_keep_firing(dtype):
     torch.testing.assert_close(seen[-1], ref, rtol=5e-2 if dtype == torch.bfloat16 else 1e-5, atol=5e-2)
     assert any("forward hooks" in f.reason for f in fast.kiln_report.fallbacks)
     assert fast.kiln_report.active in {m.name for m in fast.kiln_report.candidates if m.kind in ("eager", "original")}
+
+
+def test_the_returned_model_shows_the_originals_container_face():
+    """Indexing, len and iteration of an nn.Sequential go to the original's modules; the model is
+    in eval mode (it serves inference), before and after a refused train(); a cast to the dtype it
+    serves is a no-op, to another one a clear error."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=torch.randn(2, 8), time_budget=0.2)
+    assert fast[0] is model[0] and len(fast) == 3 and list(fast) == list(model) and bool(fast)
+    assert not fast.training
+    with pytest.raises(RuntimeError, match="optimized for inference"):
+        fast.train()
+    assert not fast.training and not copy.deepcopy(fast).training
+    assert fast.to(torch.bfloat16) is fast
+    with pytest.raises(RuntimeError, match="casting it to torch.float16"):
+        fast.to(torch.float16)
+    solo = tk.optimize(nn.Linear(4, 4).eval())
+    assert bool(solo)
+    with pytest.raises(TypeError):
+        len(solo)

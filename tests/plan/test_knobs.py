@@ -146,8 +146,9 @@ def test_compile_options_cudagraphs_false_turns_graphs_off():
 
 
 def test_compile_options_merge_over_the_plan():
-    recipe = plan(mlp(), H100, "cuda:0", BF16, "O2", {"compile_options": {"max_autotune": False, "x.y": 3}}, 8)
-    assert opts(recipe) == {"freezing": True, "max_autotune": False, "triton.cudagraphs": True, "x.y": 3}
+    mine = {"max_autotune": False, "coordinate_descent_tuning": True}
+    recipe = plan(mlp(), H100, "cuda:0", BF16, "O2", {"compile_options": mine}, 8)
+    assert opts(recipe) == {"freezing": True, "triton.cudagraphs": True, **mine}
     assert list(recipe.compile_options) == sorted(recipe.compile_options)
 
 

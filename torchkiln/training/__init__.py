@@ -98,5 +98,7 @@ def _validate(model: nn.Module, optimizer) -> None:
         raise ValueError("optimizer= holds no parameters; build it over model.parameters()")
     foreign = sum(id(p) not in mine for p in theirs)
     if foreign:
+        cls = type(optimizer)
+        name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__qualname__
         raise ValueError(f"optimizer= holds {foreign} of {len(theirs)} parameters that are not the model's; build "
-                         "it over this model's parameters: torch.optim.AdamW(model.parameters(), ...)")
+                         f"it over this model's parameters: {name}(model.parameters(), ...)")
