@@ -632,3 +632,29 @@ def test_progress_bar_while_building_candidates(capsys):
 def test_progress_must_be_a_bool():
     with pytest.raises(ValueError, match="progress='yes'"):
         tk.optimize(nn.Linear(2, 2).eval(), progress="yes")
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+def test_a_bf16_model_is_served_in_bf16_and_guarded_against_float32(dtype):
+    """A model whose weights are already bf16 (a checkpoint loaded in bf16): dtype None or float32 keeps
+    its precision (no upcast, a warning for an explicit float32), and the guard's truth is the model in
+    float32, so candidates that round differently from bf16 eager still pass (before: tolerance 1e-3
+    against bf16 eager's own output, and every compiled candidate failed)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 16)).eval()
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randn(8, 64)
+    if dtype is torch.float32:
+        with pytest.warns(UserWarning, match="does not upcast"):
+            fast = tk.optimize(half, dtype=dtype, sample_input=x.bfloat16(), time_budget=0.2)
+    else:
+        fast = tk.optimize(half, dtype=dtype, sample_input=x.bfloat16(), time_budget=0.2)
+    rep = fast.kiln_report
+    assert rep.dtype_served == "bfloat16" and rep.recipe["dtype"] == "bfloat16"
+    ours = [m for m in rep.candidates if m.kind == "torchkiln" and m.dtype == "bfloat16"]
+    assert ours and all(m.status in ("passed", "served") for m in ours), [(m.name, m.reason) for m in ours]
+    assert 1e-3 < rep.tolerance <= 5e-2  # bf16's own error against float32 sets it
+    with torch.no_grad():
+        truth = copy.deepcopy(half).float()(x)  # the bf16 weights, computed in float32
+        got = fast(x.bfloat16()).float()
+    assert float((got - truth).norm() / truth.norm()) < rep.tolerance
