@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -76,3 +78,26 @@ def test_batch_stats_bn_is_left_alone():
     bn = nn.BatchNorm2d(4, track_running_stats=False)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), bn).eval()
     assert isinstance(fold_conv_bn(m)[1], nn.BatchNorm2d)
+
+
+def test_a_bf16_model_folds_in_float32():
+    """Folded weights are rounded to bf16 once: 8 conv+BN layers with BN far from identity keep the
+    model's own bf16 error against float32 (0.0021 -> 0.0023 here; folded in bf16 it was 0.0070)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        bn = nn.BatchNorm2d(32)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.05, 4)
+        bn.weight.data.uniform_(0.5, 2)
+        bn.bias.data.uniform_(-1, 1)
+        layers += [nn.Conv2d(32, 32, 3, padding=1), bn, nn.ReLU()]
+    half = nn.Sequential(*layers).eval().bfloat16()
+    x = torch.randn(2, 32, 16, 16)
+    with torch.no_grad():
+        truth = copy.deepcopy(half).float()(x)
+        own = float((half(x.bfloat16()).float() - truth).norm() / truth.norm())
+        folded = fold_conv_bn(copy.deepcopy(half))
+        assert folded[0].weight.dtype == torch.bfloat16 and not any(isinstance(m, nn.BatchNorm2d) for m in folded)
+        err = float((folded(x.bfloat16()).float() - truth).norm() / truth.norm())
+    assert err < 1.5 * own, (err, own)

@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from .fold_bn import fold
+from .fold_bn import fold, folded_in_float32
 from .registry import register
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -16,7 +16,7 @@ _BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _fuse(conv, bn):
-    return fuse_conv_bn_eval(conv, bn, transpose=isinstance(conv, nn.modules.conv._ConvTransposeNd))
+    return folded_in_float32(fuse_conv_bn_eval, conv, bn, transpose=isinstance(conv, nn.modules.conv._ConvTransposeNd))
 
 
 def fold_conv_bn(model: nn.Module) -> nn.Module:

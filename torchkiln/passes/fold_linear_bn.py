@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import nn
 from torch.nn.utils.fusion import fuse_linear_bn_eval
 
-from .fold_bn import fold
+from .fold_bn import fold, folded_in_float32
 from .registry import register
 
 
@@ -16,7 +16,7 @@ def _fuse(linear, bn):
     if linear.out_features != bn.num_features:
         # BatchNorm1d over a (N, C, L) input normalises another axis: not foldable.
         return None
-    return fuse_linear_bn_eval(linear, bn)
+    return folded_in_float32(fuse_linear_bn_eval, linear, bn)
 
 
 def fold_linear_bn(model: nn.Module) -> nn.Module:
