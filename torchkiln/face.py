@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .modelutil import model_device, model_dtype, tensors
+from .modelutil import dtype_name, model_device, model_dtype, tensors
 
 
 class OriginalFace(nn.Module):
@@ -75,7 +75,7 @@ class OriginalFace(nn.Module):
             if not same and device != model_device(self.kiln_original):
                 self._refuse_move(f"moving it to {device}")
         served = getattr(self.kiln_report, "dtype_served", None) or self.kiln_recipe.dtype
-        if dtype is not None and dtype != model_dtype(self.kiln_original) and str(dtype) != f"torch.{served}":
+        if dtype is not None and dtype != model_dtype(self.kiln_original) and dtype_name(dtype) != served:
             self._refuse_move(f"casting it to {dtype}")
 
     def _refuse_move(self, what: str):

@@ -610,7 +610,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         from .llm import optimize as llm_optimize
 
         # a decoder's generate() is what users run; its forward stays the model's own (in dtype)
-        return llm_optimize(model, dtype=compute if dtype is not None else model_dtype(model), device=target,
+        return llm_optimize(model, dtype=compute if dtype is not None else own, device=target,
                             compile=knobs.get("graph_mode") is not False)
     if quantize is not None:
         from .quantization import quantize as _quantize

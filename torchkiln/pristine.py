@@ -23,11 +23,11 @@ class Pristine:
     def __init__(self, model: nn.Module, args, kwargs):
         # Clones are cheap next to the runs they protect (buffers are small beside the weights);
         # restore() copies back only what a run changed, found by version counter.
-        self._tensors = [(t, t._version, t.detach().clone())
-                         for t in [*model.buffers(), *inputs.flatten((args, kwargs))]]
+        buffers = list(model.buffers())
+        self._tensors = [(t, t._version, t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
         self._attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN and not k.startswith("_")})
                        for m in model.modules()]
-        self._n_buffers = sum(1 for _ in model.buffers())
+        self._n_buffers = len(buffers)
         self.mutated: list[torch.Tensor] = []  # buffers a run changed: the model's own state
         self.changed = False  # did any run change a buffer, an attribute or an input?
 

@@ -153,13 +153,7 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
 
 def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
     dtype = model_dtype(model)
-    if config.scheme == "fp8":
-        from ..hardware import detect
-
-        fast, why = fast_here(config.scheme, dev, detect(), dtype)
-        if not fast:  # torchao's fp8 has no kernel here at all: its own assertion would be the error
-            raise ValueError(f"scheme='fp8' cannot run on {dev}: {why}")
-    _warn_if_slow(config, dev, dtype)
+    _check_fast(config, dev, dtype)
     was_training = model.training
     model.eval()
     try:
@@ -332,10 +326,14 @@ def info(model: nn.Module) -> QuantInfo | None:
     return getattr(model, "kiln_quant", None) if isinstance(getattr(model, "kiln_quant", None), QuantInfo) else None
 
 
-def _warn_if_slow(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None) -> None:
+def _check_fast(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """A scheme without a fast kernel here warns; fp8 without one cannot run at all (torchao's own
+    assertion would be the error), so it raises."""
     from ..hardware import detect
 
     fast, why = fast_here(config.scheme, device, detect(), dtype)
+    if not fast and config.scheme == "fp8":
+        raise ValueError(f"scheme='fp8' cannot run on {device}: {why}")
     if not fast:
         warn_once(f"slow:{config.scheme}:{device.type}",
                   f"torchkiln: {config.scheme} has no fast kernel on this {device.type}: {why}")
