@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _handler: logging.Handler | None = None
@@ -32,13 +33,21 @@ def configure(level: str | None = None) -> None:
 
 
 _warned: set = set()
+# Per-object keys live as long as the object: keyed by id() they were inherited by the next model
+# that happened to reuse the address, which then never warned (seen in CI: a test's second model).
+_warned_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def warn_once(key: str, msg: str, stacklevel: int = 3) -> None:
-    """A UserWarning the first time ``key`` is seen in this process; always logged."""
+def warn_once(key: str, msg: str, stacklevel: int = 3, owner: object = None) -> None:
+    """A UserWarning the first time ``key`` is seen in this process (for ``owner``, when given:
+    once per that object's life); always logged."""
     import warnings
 
-    if key not in _warned:
-        _warned.add(key)
+    try:
+        seen = _warned if owner is None else _warned_by.setdefault(owner, set())
+    except TypeError:  # not weak-referenceable: once per process
+        seen = _warned
+    if key not in seen:
+        seen.add(key)
         warnings.warn(msg, stacklevel=stacklevel)
     logging.getLogger("torchkiln").info(msg)

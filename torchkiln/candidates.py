@@ -186,11 +186,11 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
                "that run the model's own modules call them; remove the hooks to let the others compete")
         if not any(f.reason == why for f in fallbacks):  # candidates() runs again at each rebuild
             fallbacks.append(Fallback("traced and transformed candidates", "eager ones", why))
-        warn_once(f"hooks:{id(original)}", f"torchkiln: {why}")
+        warn_once("hooks", f"torchkiln: {why}", owner=original)
         out = [c for c in out if c.kind in ("eager", "original")]
     elif hooks:  # inplace=True transforms the model itself: nothing untouched is left to serve
-        warn_once(f"hooks:{id(original)}", f"torchkiln: forward hooks on {', '.join(hooks[:3])} may not run in the "
-                  "model transformed in place (inplace=True); use inplace=False to keep them")
+        warn_once("hooks", f"torchkiln: forward hooks on {', '.join(hooks[:3])} may not run in the "
+                  "model transformed in place (inplace=True); use inplace=False to keep them", owner=original)
     return out
 
 

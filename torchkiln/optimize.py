@@ -439,21 +439,21 @@ class KilnModule(OriginalFace):
         if served.kind != "torchkiln":
             what = {"eager": "the model as given (eager) was fastest", "stock": "the stock torch.compile recipe "
                     "was fastest"}.get(served.kind, "")
-            warn_once(f"served:{id(self)}", f"torchkiln: nothing of torchkiln's own beat the alternatives here; "
-                      f"serving {served.name!r} ({what}). See tk.report(model).")
+            warn_once("served", f"torchkiln: nothing of torchkiln's own beat the alternatives here; "
+                      f"serving {served.name!r} ({what}). See tk.report(model).", owner=self)
         elif served.tier > 0:
-            warn_once(f"served:{id(self)}", f"torchkiln: no {self.kiln_recipe.dtype} candidate passed the numeric "
-                      f"guard; serving {served.name!r}. See tk.report(model).")
+            warn_once("served", f"torchkiln: no {self.kiln_recipe.dtype} candidate passed the numeric "
+                      f"guard; serving {served.name!r}. See tk.report(model).", owner=self)
 
     def _serve_original(self, args, kwargs, ref, reason: str):
         cand = next((c for c in self._cands if c.kind == "original"), None)
         if cand is None:  # inplace=True: the last torchkiln step stays, loudly
             cand = next(c for c in self._cands if "eager passes" in c.name)
-            warn_once(f"noguard:{id(self)}", f"torchkiln: {reason}, and with inplace=True there is no untouched "
-                      "model to fall back to: serving the eager passes anyway. Use inplace=False.")
+            warn_once("noguard", f"torchkiln: {reason}, and with inplace=True there is no untouched "
+                      "model to fall back to: serving the eager passes anyway. Use inplace=False.", owner=self)
         fn = cand.make()
         self.kiln_report.fallbacks.append(Fallback("every candidate", cand.name, reason))
-        warn_once(f"orig:{id(self)}", f"torchkiln: {reason}; serving {cand.name!r}. See tk.report(model).")
+        warn_once("orig", f"torchkiln: {reason}; serving {cand.name!r}. See tk.report(model).", owner=self)
         self._install(cand.name, fn, [cand.name])
         self._mark_verified(args, kwargs)
         return self._for_real(fn, args, kwargs)
@@ -497,7 +497,7 @@ class KilnModule(OriginalFace):
             if ref is not None and self._tols is not None and not verdict(out, ref, self._tols).ok:
                 continue
             report.fallbacks.append(Fallback(here, cand.name, reason))
-            warn_once(f"fb:{id(self)}:{here}", f"torchkiln: {here} -> {cand.name}: {reason}")
+            warn_once(f"fb:{here}", f"torchkiln: {here} -> {cand.name}: {reason}", owner=self)
             self._install(cand.name, fn, self._order)
             self._mark_verified(args, kwargs)
             return self._for_real(fn, args, kwargs)
