@@ -22,7 +22,7 @@ from torchkiln.plan import plan
 from torchkiln.timing import interleaved
 
 
-def variants(model, sample, device: str, graphs: bool, autotune: bool):
+def variants(model, sample, device: str, graphs: bool, autotune: bool, only=()):
     recipe = plan(model, tk.detect(), device, torch.bfloat16, "O1", {}, batch=inputs.batch_size(sample))
     opts = dict(recipe.compile_options)
     opts["triton.cudagraphs"] = graphs and device == "cuda"
@@ -38,8 +38,12 @@ def variants(model, sample, device: str, graphs: bool, autotune: bool):
     }
     if autotune:
         mk["kiln sdpa + max-autotune"] = (recipe.replace(attention="sdpa"), {**opts, "max_autotune": True})
+        # Triton GEMM templates can take the bias+GELU epilogue that cuBLAS calls leave to a separate kernel
+        mk["kiln max-autotune"] = (recipe, {**opts, "max_autotune": True})
     out = {}
     for name, (rec, o) in mk.items():
+        if only and name not in only:
+            continue
         build = KilnBuild(model, rec, sample, False, [])
         out[name] = build.call(compile_model(build.runner(), o, fullgraph=False, private=True), o["triton.cudagraphs"])
     dev = torch.device(device)
@@ -60,11 +64,12 @@ def main():
     ap.add_argument("--graphs", action="store_true", help="torchkiln variants with CUDA graphs, peers reduce-overhead")
     ap.add_argument("--budget", type=float, default=10.0)
     ap.add_argument("--autotune", action="store_true", help="add max-autotune variants (slow to compile)")
+    ap.add_argument("--only", default="", help="comma-separated torchkiln variant names to build (default: all)")
     a = ap.parse_args()
     model, x = zoo.load(a.model, batch=a.batch)
     model = model.to(a.device).eval()
     args, kwargs = inputs.to(inputs.normalize(x), a.device)
-    fns = variants(model, (args, kwargs), a.device, a.graphs, a.autotune)
+    fns = variants(model, (args, kwargs), a.device, a.graphs, a.autotune, [v for v in a.only.split(',') if v])
     calls = {}
     with torch.no_grad():
         ref = model(*args, **kwargs)[0].float()

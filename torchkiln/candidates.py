@@ -134,18 +134,20 @@ def _compiled(build: KilnBuild, opts: dict, tag: str, tier: int, graphs: bool, n
     """torchkiln's compiled candidate, with its step-downs: allowing graph breaks (where
     fullgraph fails on one), and inductor's Python wrapper (where the C++ one fails)."""
     suffix = note + (" + CUDA graphs" if graphs else "")
+    dynamic = False if build.recipe.static_shapes else None
 
     def breaks():
         return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,
-                         lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True),
-                                            graphs), tier, graphs, build.applied)
+                         lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True,
+                                                          dynamic=dynamic), graphs), tier, graphs, build.applied)
 
     def python_wrapper():
         plain = {k: v for k, v in opts.items() if k != "cpp_wrapper"}
         return _compiled(build, plain, tag, tier, graphs, ", Python wrapper")
 
     return Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag,
-                     lambda: build.call(compile_model(build.runner(), opts, fullgraph=True, private=True), graphs),
+                     lambda: build.call(compile_model(build.runner(), opts, fullgraph=True, private=True,
+                                                      dynamic=dynamic), graphs),
                      tier, graphs, build.applied, breaks, python_wrapper if opts.get("cpp_wrapper") else None)
 
 

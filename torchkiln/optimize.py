@@ -627,12 +627,13 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         _check_sample(model, sample)
     quant = getattr(model, "kiln_quant", None)
     if quant is not None:
+        from .quantization.plan import has_conv as quant_has_conv
         from .quantization.plan import plan as plan_quantized
 
         if compute != torch.float32:
             warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
                       "it is served at the precision it was quantized in (cast the model before tk.quantize)")
-        recipe = plan_quantized(quant, str(target), level, hw.cpu.bf16_native)
+        recipe = plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model))
     else:
         recipe = plan(model, hw, str(target), compute, level, knobs,
                       batch=inputs.batch_size(sample) if sample else None)

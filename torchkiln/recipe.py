@@ -35,6 +35,7 @@ class Recipe:
     cuda_graphs: bool = False  # replay recorded CUDA graphs: no per-kernel launch cost
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
+    static_shapes: bool = False  # one compiled graph per input shape (torch.compile dynamic=False)
     # CPU: also time a TorchScript trace run by oneDNN Graph's fuser (passes/onednn_graph.py)
     onednn_graph: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
@@ -105,7 +106,7 @@ class Recipe:
             lines.append("  cuda graphs  on (outputs cloned, calls serialised)")
         if self.compile:
             opts = ", ".join(f"{k}={v}" for k, v in self.compile_options)
-            lines.append(f"  compile      inductor {opts or '(defaults)'}")
+            lines.append(f"  compile      inductor {opts or '(defaults)'}" + (", static shapes" if self.static_shapes else ""))
         else:
             lines.append("  compile      off")
         if self.onednn_graph:

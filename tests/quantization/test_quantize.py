@@ -517,3 +517,23 @@ def test_fp8_on_the_cpu_is_a_clear_error():
                  lambda: tk.optimize(mlp, quantize="fp8", sample_input=torch.randn(4, 64))):
         with pytest.raises(ValueError, match=r"scheme='fp8' cannot run on cpu: .*int8-static"):
             call()
+
+
+def test_an_int8_cnn_keeps_its_compiled_graph_at_a_second_batch_size():
+    """A second batch size made torch.compile recompile with symbolic sizes, where inductor's int8
+    conv asserts contiguous strides on its channels-last output: the served int8 graph failed on the
+    user's first real batch and stepped down to the float stock recipe (the digits test at 64, then 397)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(32 * 64, 10)).eval()
+    calib = [torch.randn(16, 1, 8, 8) for _ in range(4)]
+    fast = quiet(tk.optimize, net, quantize="int8-static", calib_data=calib, sample_input=torch.randn(16, 1, 8, 8),
+                 time_budget=0.3)
+    assert fast.kiln_recipe.static_shapes
+    served = fast.kiln_report.active
+    assert served.startswith("torchkiln compiled"), served
+    for b in (37, 5):
+        x = torch.randn(b, 1, 8, 8)
+        with torch.no_grad():
+            assert sqnr_db(net(x), fast(x)) > 25
+    assert fast.kiln_report.active == served and not fast.kiln_report.fallbacks, fast.kiln_report.fallbacks

@@ -47,11 +47,12 @@ def _guard_filter():
 
 
 class Compiled(nn.Module):
-    def __init__(self, model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False):
+    def __init__(self, model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False,
+                 dynamic: bool | None = None):
         super().__init__()
         self.options = dict(options)
         extra = _guard_filter() if private else {}
-        self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph,
+        self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph, dynamic=dynamic,
                                       options=extra or None)
 
     def forward(self, *args, **kwargs):
@@ -61,6 +62,8 @@ class Compiled(nn.Module):
             return self.compiled(*args, **kwargs)
 
 
-def compile_model(model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False) -> nn.Module:
-    """``private=True``: the caller guarantees ``model`` is never mutated afterwards."""
-    return Compiled(model, options, fullgraph, private)
+def compile_model(model: nn.Module, options: dict, fullgraph: bool = False, private: bool = False,
+                  dynamic: bool | None = None) -> nn.Module:
+    """``private=True``: the caller guarantees ``model`` is never mutated afterwards. ``dynamic``
+    is torch.compile's: None lets a second input shape recompile with symbolic sizes."""
+    return Compiled(model, options, fullgraph, private, dynamic)

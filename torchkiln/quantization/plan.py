@@ -18,7 +18,7 @@ from ..recipe import Recipe
 from .api import QuantInfo
 
 
-def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False) -> Recipe:
+def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_conv: bool = False) -> Recipe:
     rep = qi.report
     worst = rep.min_sqnr if rep.outputs and math.isfinite(rep.min_sqnr) else None
     quant = registry.make("quantize", scheme=qi.config.scheme, backend=qi.backend, kept=tuple(rep.kept),
@@ -35,6 +35,13 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False) -> R
         # ~20 s longer on 2 cores. The stock candidate (same graph, no wrapper) still competes.
         options += (("cpp_wrapper", True),)
         notes.append("inductor's C++ wrapper between the int8 kernels")
+    static = cpu and qi.backend == "pt2e" and has_conv
+    if static:
+        # A second batch size recompiles with symbolic sizes, and inductor's int8 conv then asserts
+        # contiguous strides on its channels-last output (torch 2.13, the digits CNN at batch 64 then 397:
+        # "expected size 16==16, stride 1==64"); with sizes fixed per shape it runs. Linears only
+        # (bert int8 at four (batch, seq) shapes) compile symbolically without error.
+        notes.append("int8 convs: one compiled graph per input shape (inductor's symbolic-shape int8 conv asserts)")
     attention = "sdpa"
     if cpu and qi.backend == "pt2e" and bf16_native:
         # The int8 graph's attention runs in float32 (the quantizer leaves it), torch's flash kernel:
@@ -45,7 +52,14 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False) -> R
         attention = "auto-bf16"
         notes.append("attention: the math form in bf16 where measured faster (native bf16 CPU)")
     return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=(quant,),
-                  attention=attention, compile=level != "O0", compile_options=options, notes=tuple(notes))
+                  attention=attention, compile=level != "O0", compile_options=options, static_shapes=static,
+                  notes=tuple(notes))
+
+
+def has_conv(model) -> bool:
+    """Whether a pt2e-quantized model's graph holds a convolution."""
+    graph = getattr(getattr(model, "graph", None), "graph", None)
+    return graph is not None and any(n.op == "call_function" and "conv" in str(n.target) for n in graph.nodes)
 
 
 def tolerances(qi: QuantInfo, n: int) -> list[float]:
