@@ -543,12 +543,12 @@ def _unoptimized(method, name: str):
 
 def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=None, inplace: bool = False,
              optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
-             quantize=None, calib_data=None, progress: bool | None = None, **knobs):
+             quantize=None, calib_data=None, eval_data=None, progress: bool | None = None, **knobs):
     """Plan and apply the fastest verified recipe for ``model`` on this machine.
 
     Accepts every ``ipex.optimize`` keyword. Returns an ``nn.Module`` (with
     ``optimizer``: the tuple ``(model, optimizer)``, as IPEX does). ``quantize``: a
-    tk.quantize scheme, applied first (with ``calib_data``), then compiled and verified
+    tk.quantize scheme, applied first (with ``calib_data``; ``eval_data`` for its accuracy report), then compiled and verified
     against the eager quantized model; a model tk.quantize returned is served the same way.
     ``progress``: True shows a bar (stderr) while ``sample_input``'s candidates are built and
     verified, and tk.quantize's calibration bar; False hides both; None (default) keeps tk.quantize's.
@@ -616,10 +616,12 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         from .quantization import quantize as _quantize
 
         more = {} if progress is None else {"progress": progress}
-        model = _quantize(model, quantize, calib_data=calib_data, sample_input=sample_input, device=target, **more)
-    elif calib_data is not None:
-        raise ValueError("calib_data= is only used with quantize= (e.g. quantize='int8-static'); "
-                         "without it, remove calib_data")
+        model = _quantize(model, quantize, calib_data=calib_data, sample_input=sample_input, eval_data=eval_data,
+                          device=target, **more)
+    elif calib_data is not None or eval_data is not None:
+        what = "calib_data" if calib_data is not None else "eval_data"
+        raise ValueError(f"{what}= is only used with quantize= (e.g. quantize='int8-static'); "
+                         f"without it, remove {what}")
     sample = snap = None
     if sample_input is not None:
         sample = inputs.to(inputs.normalize(sample_input), target)

@@ -51,6 +51,9 @@ def test_scheme_matches_fp32_and_report_is_right(scheme):
     assert out.shape == ref.shape and not torch.equal(out, ref)  # really quantized
     rep = q.kiln_quant.report
     assert abs(rep.outputs[0].sqnr_db - measured) < 0.5  # the report says what we measure
+    # ... and on what: its own calibration batches read optimistic for a calibrated scheme
+    calibrated = scheme in ("int8-static", "int8-smoothquant") or q.kiln_quant.config.gptq
+    assert ("optimistic" in rep.measured_on) == calibrated and rep.measured_on in str(rep), rep.measured_on
     assert rep.passed and rep.quantized >= 1
     for k, v in m.state_dict().items():  # the caller's model is untouched
         assert torch.equal(v, before[k]), k
@@ -161,6 +164,7 @@ def test_prepare_convert_equals_quantize_and_calibration_json(tmp_path):
     fresh = quiet(tk.quantization.prepare, m, "int8-static", example_inputs=calib[0])
     tk.quantization.load_calibration(fresh, path)
     q3 = quiet(tk.quantization.convert, fresh, eval_data=calib[:1])
+    assert q3.kiln_quant.report.measured_on == "eval_data" and q3.kiln_quant.report.batches == 1
     torch.testing.assert_close(q3(x), q(x), rtol=0, atol=0)
     wrong = quiet(tk.quantization.prepare, m, "int8-dynamic", example_inputs=calib[0])
     with pytest.raises(ValueError, match="int8-static"):
@@ -218,6 +222,10 @@ def test_optimize_with_quantize_serves_a_verified_compiled_model():
     assert sqnr_db(m(x), fast(x)) > 25
     with pytest.raises(ValueError, match="only used with quantize"):
         tk.optimize(m, calib_data=calib)
+    with pytest.raises(ValueError, match="eval_data= is only used with quantize"):
+        tk.optimize(m, eval_data=calib)
+    held = quiet(tk.optimize, m, quantize="int8-static", calib_data=calib[:2], eval_data=calib[2:], time_budget=0.2)
+    assert held.kiln_report.quantization["measured_on"] == "eval_data" and held.kiln_report.quantization["batches"] == 2
 
 
 def test_config_round_trips_as_json():

@@ -41,6 +41,7 @@ class AccuracyReport:
     auto_kept: list[str] = field(default_factory=list)  # of those, the ones auto_fallback chose
     quantized: int = 0  # modules quantized
     notes: list[str] = field(default_factory=list)
+    measured_on: str = ""  # which batches the outputs were measured on (see quantize's hold-out)
 
     @property
     def min_sqnr(self) -> float:
@@ -61,7 +62,8 @@ class AccuracyReport:
 
     def __str__(self) -> str:
         lines = [f"{self.scheme} via {self.backend}: {self.quantized} layers quantized, {len(self.kept)} kept in "
-                 f"floating point; accuracy against fp32 on {self.batches} batch(es), "
+                 f"floating point; accuracy against fp32 on {self.batches} batch(es)"
+                 f"{f' ({self.measured_on})' if self.measured_on else ''}, "
                  f"{'PASSED' if self.passed else 'BELOW'} the {self.threshold_db:g} dB bar"]
         for o in self.outputs:
             extra = (f", cosine {o.cosine:.4f}" if o.cosine is not None else "") + \
