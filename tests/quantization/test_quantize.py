@@ -129,6 +129,20 @@ def test_save_load_round_trip(tmp_path, scheme):
         tk.quantization.save(q, path, float_model=m)
 
 
+def test_reload_keeps_the_observers_eps(tmp_path):
+    """Observer state loaded without a version reset eps to float32's, losing the x86 quantizer's
+    2**-12: a weight channel with a range below 127.5 * 2**-12 then quantized differently after load."""
+    m = mlp()
+    with torch.no_grad():
+        m[4].weight[5].mul_(1e-4)  # one output channel of tiny weights
+    q = quiet(tk.quantize, m, "int8-static", calib_data=data(), progress=False)
+    path = tmp_path / "q.pt"
+    tk.quantization.save(q, path, float_model=m)
+    loaded = quiet(tk.quantization.load, mlp(seed=7), path)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(loaded(x), q(x), rtol=0, atol=0)
+
+
 def test_load_rejects_other_model_and_corrupted_file(tmp_path):
     m = mlp()
     q = quiet(tk.quantize, m, "int8-weight-only", progress=False)

@@ -8,6 +8,8 @@ point by name, and the observers' state as JSON (calibration saved without pickl
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -159,8 +161,13 @@ def load_observer_state(prepared: nn.Module, state: dict) -> None:
         raise ValueError(f"the calibration has {len(state)} observers, the prepared model {len(mods)}: it was "
                          "calibrated for another model or configuration")
     for name, mod in mods.items():
-        sd = {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
-              for k, v in state[name].items()}
+        sd = OrderedDict((k, torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"]))
+                         for k, v in state[name].items())
+        # Without a version, the observers read the state as version 1 (before eps was a buffer) and
+        # reset eps to float32's: the x86 quantizer's 2**-12 was lost, and a weight channel whose
+        # range is below 127.5 * 2**-12 then rounded differently after load (SmoothQuant alpha="auto"
+        # reloaded 5e-4 off the model it saved).
+        sd._metadata = {"": {"version": getattr(type(mod), "_version", None)}}
         for k, v in sd.items():  # histogram observers size their buffers at the first batch
             cur = getattr(mod, k, None)
             if isinstance(cur, torch.Tensor) and cur.shape != v.shape:
