@@ -183,8 +183,8 @@ def test_graph_break_steps_to_compiled_with_graph_breaks(monkeypatch):
         def forward(self, *a, **k):
             raise torch._dynamo.exc.Unsupported("simulated graph break")
 
-    def fake(runner, opts, fullgraph=False, private=False):
-        return Breaks(real(runner, opts)) if fullgraph else real(runner, opts, fullgraph, private)
+    def fake(runner, opts, fullgraph=False, private=False, dynamic=None):
+        return Breaks(real(runner, opts)) if fullgraph else real(runner, opts, fullgraph, private, dynamic)
 
     monkeypatch.setattr(cand_mod, "compile_model", fake)
     m, x = mlp(), torch.randn(4, 32)
@@ -200,8 +200,8 @@ def test_graph_break_steps_to_compiled_with_graph_breaks(monkeypatch):
 def test_cpp_wrapper_failure_steps_to_python_wrapper(monkeypatch):
     real = cand_mod.compile_model
 
-    def fake(runner, opts, fullgraph=False, private=False):
-        return Boom() if opts.get("cpp_wrapper") else real(runner, opts, fullgraph, private)
+    def fake(runner, opts, fullgraph=False, private=False, dynamic=None):
+        return Boom() if opts.get("cpp_wrapper") else real(runner, opts, fullgraph, private, dynamic)
 
     monkeypatch.setattr(cand_mod, "compile_model", fake)
     m, x = mlp(), torch.randn(4, 32)
