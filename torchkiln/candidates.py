@@ -27,6 +27,7 @@ from torch import nn
 from . import inputs, stock
 from ._log import warn_once
 from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model_dtype
+from .passes import registry
 from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
 from .recipe import Recipe
@@ -135,6 +136,9 @@ def _compiled(build: KilnBuild, opts: dict, tag: str, tier: int, graphs: bool, n
     fullgraph fails on one), and inductor's Python wrapper (where the C++ one fails)."""
     suffix = note + (" + CUDA graphs" if graphs else "")
     dynamic = False if build.recipe.static_shapes else None
+    graph_pass = registry.graph_pass(build.recipe.passes)
+    if graph_pass is not None:
+        opts = {**opts, "pre_grad_custom_pass": graph_pass}
 
     def breaks():
         return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,

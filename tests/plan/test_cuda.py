@@ -87,3 +87,13 @@ def test_conv_net_channels_last_and_cudnn_benchmark(level):
 
 def test_O0_cast_on_cuda_matches_family_islands():
     assert plan(mlp(), H100, DEV, BF16, "O0", {}, None).fp32_modules == ()
+
+
+@LEVEL
+def test_gelu_epilogue_in_half_precision_only(level):
+    # cuBLASLt's tanh-form GELU is within ~5e-4 of the exact one: fine under bf16/fp16's rounding,
+    # not under float32's 1e-4 bar
+    assert "gelu_epilogue" in plan(mlp(), H100, DEV, BF16, level, {}, batch=8).pass_names
+    assert "gelu_epilogue" in plan(mlp(), V100, DEV, torch.float16, level, {}, None).pass_names
+    assert "gelu_epilogue" not in plan(mlp(), H100, DEV, FP32, level, {}, batch=8).pass_names
+    assert "gelu_epilogue" not in plan(mlp(), V100, DEV, BF16, level, {}, None).pass_names  # served fp32

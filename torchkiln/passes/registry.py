@@ -14,6 +14,11 @@ A pass file registers itself::
 
 The Recipe holds the ordered configs; ``build_fast`` runs ``lookup(config.name)``
 for each. Quantization, training and LLM passes register the same way.
+
+A graph pass rewrites the FX graph torch.compile captures instead of the module (its
+module-level ``apply`` leaves the model alone); it registers a factory with
+``register_graph``, and the compiled candidates install what ``graph_passes`` returns as
+inductor's pre-grad pass.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class PassInfo:
 
 
 _PASSES: dict[str, PassInfo] = {}
+_GRAPH: dict[str, Callable[[object], Callable[[torch.fx.Graph], None]]] = {}
 
 
 def register(config_cls: type, order: int):
@@ -63,6 +69,27 @@ def register(config_cls: type, order: int):
     return deco
 
 
+def register_graph(config_cls: type):
+    """Registers ``fn(config) -> graph pass`` for a pass already registered with ``register``."""
+    def deco(fn):
+        _GRAPH[config_cls.name] = fn
+        return fn
+    return deco
+
+
+def graph_pass(configs) -> Callable[[torch.fx.Graph], None] | None:
+    """One callable running the graph passes among ``configs`` (a Recipe's passes) in order, or None."""
+    _load()
+    passes = [_GRAPH[c.name](c) for c in configs if c.name in _GRAPH]
+    if len(passes) < 2:
+        return passes[0] if passes else None
+
+    def run(graph: torch.fx.Graph) -> None:
+        for p in passes:
+            p(graph)
+    return run
+
+
 def _load() -> None:
     from . import (  # noqa: F401 - importing registers them
         cast_dtype,
@@ -70,6 +97,7 @@ def _load() -> None:
         concat_linear,
         fold_conv_bn,
         fold_linear_bn,
+        gelu_epilogue,
         onednn_linear,
         replace_dropout,
     )
