@@ -9,9 +9,9 @@ fastest variant.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from _variants import check_and_time, print_table
 from torch.profiler import ProfilerActivity, profile
 
 import torchkiln as tk
@@ -19,7 +19,6 @@ from torchkiln import inputs, stock, zoo
 from torchkiln.candidates import KilnBuild
 from torchkiln.passes.compile import compile_model
 from torchkiln.plan import plan
-from torchkiln.timing import interleaved
 
 
 def variants(model, sample, device: str, graphs: bool, autotune: bool, only=()):
@@ -70,21 +69,8 @@ def main():
     model = model.to(a.device).eval()
     args, kwargs = inputs.to(inputs.normalize(x), a.device)
     fns = variants(model, (args, kwargs), a.device, a.graphs, a.autotune, [v for v in a.only.split(',') if v])
-    calls = {}
-    with torch.no_grad():
-        ref = model(*args, **kwargs)[0].float()
-        for n, f in fns.items():
-            for _ in range(3):
-                out = f(*args, **kwargs)
-            err = (out[0].float() - ref).abs().max().item() / ref.abs().max().item()
-            print(f"{n:36s} built, rel err {err:.2e}", flush=True)
-            calls[n] = (lambda f=f: f(*args, **kwargs))
-        times = interleaved(calls, torch.device(a.device), a.budget, min_rounds=5, prune=100)
-    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-    best = min(med.values())
-    print(f"\n{a.model} bs{a.batch} bf16 graphs={a.graphs}")
-    for n, m in sorted(med.items(), key=lambda kv: kv[1]):
-        print(f"  {n:36s} {m:8.3f} ms  {m / best:5.2f}x best  ({len(times[n])} rounds)")
+    calls, times, med = check_and_time(fns, model, args, kwargs, torch.device(a.device), a.budget)
+    print_table(f"{a.model} bs{a.batch} bf16 graphs={a.graphs}", times, med)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
     slow, fast = max(med, key=med.get), min(med, key=med.get)
     for n in dict.fromkeys((slow, fast, "kiln as planned")):

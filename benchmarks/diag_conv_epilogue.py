@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _variants import check_and_time, print_table
 
 import torchkiln as tk
 from torchkiln import inputs, stock, zoo
 from torchkiln.candidates import KilnBuild
 from torchkiln.passes.compile import compile_model
 from torchkiln.plan import plan
-from torchkiln.timing import interleaved
 
 try:  # a hashable pass keeps inductor's FX graph cache on
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -181,22 +180,9 @@ def main():
         for r in stock.compile_recipes(dev, torch.bfloat16):
             if r.how == "cast":
                 fns[r.name] = stock.build(r, model, dev, cudnn_benchmark=True)
-        calls = {}
-        with torch.no_grad():
-            ref = model(*args, **kwargs).float()
-            for n, f in fns.items():
-                for _ in range(3):
-                    out = f(*args, **kwargs)
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                print(f"{n:36s} built, rel err {err:.2e}", flush=True)
-                calls[n] = (lambda f=f, args=args, kwargs=kwargs: f(*args, **kwargs))
-            print("convs fused:", {("graphs" if k else "no graphs"): p.fused for k, p in passes.items()})
-            times = interleaved(calls, dev, a.budget, min_rounds=5, prune=100)
-        med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-        best = min(med.values())
-        print(f"\n{a.model} bs{batch} bf16")
-        for n, m in sorted(med.items(), key=lambda kv: kv[1]):
-            print(f"  {n:36s} {m:8.3f} ms  {batch / m * 1e3:9.0f}/s  {m / best:5.2f}x best  ({len(times[n])} rounds)")
+        _, times, med = check_and_time(fns, model, args, kwargs, dev, a.budget)
+        print("convs fused:", {("graphs" if k else "no graphs"): p.fused for k, p in passes.items()})
+        print_table(f"{a.model} bs{batch} bf16", times, med, batch)
 
 
 if __name__ == "__main__":

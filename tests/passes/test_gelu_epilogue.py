@@ -57,5 +57,5 @@ def test_gradients_flow_through_the_fused_op(approximate):
     x.grad = None
     m.zero_grad()
     m(x).square().sum().backward()
-    for g, r in zip(got, (x.grad, m.up.weight.grad, m.up.bias.grad)):
+    for g, r in zip(got, (x.grad, m.up.weight.grad, m.up.bias.grad), strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)

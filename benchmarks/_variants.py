@@ -1,0 +1,38 @@
+"""Shared by the diag_* scripts: build each variant, check it against the float32 model, time
+them interleaved in one process and print the medians."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from torchkiln.timing import interleaved
+
+
+def _first(out) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def check_and_time(fns: dict, model, args, kwargs, device: torch.device, budget: float):
+    """Three warm-up calls of each variant, its relative L2 error against ``model`` (printed), then
+    interleaved timing. Returns (calls, times in seconds, medians in ms)."""
+    calls = {}
+    with torch.no_grad():
+        ref = _first(model(*args, **kwargs)).float()
+        for n, f in fns.items():
+            for _ in range(3):
+                out = f(*args, **kwargs)
+            err = ((_first(out).float() - ref).norm() / ref.norm()).item()
+            print(f"{n:36s} built, rel err vs float32 {err:.2e}", flush=True)
+            calls[n] = (lambda f=f: f(*args, **kwargs))
+        times = interleaved(calls, device, budget, min_rounds=5, prune=100)
+    return calls, times, {n: statistics.median(t) * 1e3 for n, t in times.items()}
+
+
+def print_table(title: str, times: dict, med: dict, batch: int | None = None) -> None:
+    best = min(med.values())
+    print(f"\n{title}")
+    for n, m in sorted(med.items(), key=lambda kv: kv[1]):
+        rate = f"  {batch / m * 1e3:9.0f}/s" if batch else ""
+        print(f"  {n:36s} {m:8.3f} ms{rate}  {m / best:5.2f}x best  ({len(times[n])} rounds)")
