@@ -460,6 +460,33 @@ def test_gemv_routing_is_decided_by_device_and_rows():
     assert gemv._pow2(1) == 1 and gemv._pow2(3) == 4 and gemv._pow2(4) == 4
 
 
+def test_explicit_none_and_unset_lengths_mean_what_they_mean_in_transformers():
+    """generate()'s keywords apply last, None included (eos_token_id=None: no eos stop; top_k=None: no
+    top-k), and with no length anywhere transformers adds 20 tokens to the prompt."""
+    model = build("llama", seed=31)
+    ids = prompt(seed=5)
+    first = int(model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None)[0, -1])
+    model.generation_config.eos_token_id = first  # the checkpoint's eos: the first token greedy makes
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    for kw in ({"max_new_tokens": 10, "eos_token_id": None}, {"eos_token_id": None}, {}):
+        ref = model.generate(ids, do_sample=False, **kw)
+        got = fast.generate(ids, do_sample=False, **kw)
+        assert torch.equal(got, ref), (kw, got.shape, ref.shape)
+    assert fast.generate(ids, do_sample=False, eos_token_id=None).shape[1] == ids.shape[1] + 20
+    long = prompt(length=25, seed=6)
+    assert torch.equal(fast.generate(long, do_sample=False, eos_token_id=None),
+                       model.generate(long, do_sample=False, eos_token_id=None))
+    for top_k in (None, 3):
+        torch.manual_seed(7)
+        ref = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=top_k, eos_token_id=None)
+        torch.manual_seed(7)
+        assert torch.equal(fast.generate(ids, max_new_tokens=6, do_sample=True, top_k=top_k, eos_token_id=None), ref)
+    greedy = fast.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert torch.equal(fast.generate(ids, max_new_tokens=4, do_sample=True, top_p=0.0, eos_token_id=None), greedy)
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
+        fast.generate(ids, max_new_tokens=0)
+
+
 def test_bad_input_is_named():
     import transformers as T
 

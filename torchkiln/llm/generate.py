@@ -61,15 +61,25 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
     for key in FOREIGN:
         if kwargs.get(key) is not None:
             raise Fallback(f"{key}=")
-    layers = [kwargs, vars(generation_config) if generation_config is not None else {},
+    layers = [vars(generation_config) if generation_config is not None else {},
               vars(getattr(model, "generation_config", None) or object())]
 
+    def configured(name):
+        """A config's value (generation_config=, then the model's); None there means "not set"."""
+        return next((layer[name] for layer in layers if layer.get(name) is not None), None)
+
     def get(name, default=None):
-        for layer in layers:
-            v = layer.get(name)
-            if v is not None:
-                return v
-        return DEFAULTS.get(name, default)
+        # transformers applies generate()'s keywords last, None included: eos_token_id=None turns eos
+        # stopping off and top_k=None top-k (read as "not set", the fast path stopped at the model's
+        # eos and sampled from the top 50: the new-user sweep, 2026-11-23). Configs only fill gaps.
+        if name in kwargs:
+            return kwargs[name]
+        v = configured(name)
+        return DEFAULTS.get(name, default) if v is None else v
+
+    def num(name, off):
+        v = get(name)
+        return off if v is None else v
 
     for key, neutral in NEUTRAL.items():
         v = get(key)
@@ -79,21 +89,32 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
     if unknown:
         raise Fallback(f"{sorted(unknown)[0]}=")
     new = kwargs.get("max_new_tokens")
-    if new is None:
-        new = get("max_new_tokens") if kwargs.get("max_length") is None else None
-    if new is None:
-        new = get("max_length") - prompt_len
-    if new < 0 or (new == 0 and kwargs.get("max_new_tokens") is None):
-        raise ValueError(f"the prompt has {prompt_len} tokens, not fewer than max_length={get('max_length')}; "
+    if new is not None and new < 1:
+        raise ValueError(f"max_new_tokens={new} must be at least 1")
+    max_length = kwargs.get("max_length")
+    if new is None and max_length is None:
+        new = configured("max_new_tokens")
+        max_length = configured("max_length") if new is None else None
+    if new is None and max_length is None:
+        # nothing set anywhere: transformers adds its default 20 tokens to the prompt (not 20 in all),
+        # within the model's positions
+        new = DEFAULTS["max_length"]
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if limit is not None:
+            new = min(new, limit - prompt_len)
+    elif new is None:
+        new = max_length - prompt_len
+    if new < 1:
+        raise ValueError(f"the prompt has {prompt_len} tokens, not fewer than max_length={max_length}; "
                          "pass max_new_tokens= (the number of tokens to add)")
     eos = get("eos_token_id")
     eos = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     do_sample = bool(get("do_sample"))
-    sampling = Sampling(do_sample=do_sample, temperature=float(get("temperature")),
+    sampling = Sampling(do_sample=do_sample, temperature=float(num("temperature", 1.0)),
                         top_k=int(get("top_k")) if do_sample and get("top_k") else None,
-                        top_p=float(get("top_p")) if do_sample else None,
-                        repetition_penalty=float(get("repetition_penalty")),
-                        min_new_tokens=int(get("min_new_tokens")), eos=eos)
+                        top_p=float(num("top_p", 1.0)) if do_sample else None,
+                        repetition_penalty=float(num("repetition_penalty", 1.0)),
+                        min_new_tokens=int(num("min_new_tokens", 0)), eos=eos)
     pad = get("pad_token_id")
     lookup, ngram = int(get("prompt_lookup_num_tokens", 0) or 0), int(get("max_matching_ngram_size", 2) or 2)
     if lookup < 0 or ngram < 1:

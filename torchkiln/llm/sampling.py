@@ -26,8 +26,8 @@ class Sampling:
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r} must be > 0 when do_sample=True "
                              "(use do_sample=False for greedy)")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.top_p is not None and not 0 <= self.top_p <= 1:  # 0 keeps the top token, as in transformers
+            raise ValueError(f"top_p={self.top_p!r} must be in [0, 1]")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be >= 0 (0 or None: off)")
         if not self.repetition_penalty > 0:
