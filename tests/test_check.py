@@ -1,3 +1,5 @@
+import json
+
 import torch
 from torch import nn
 
@@ -79,3 +81,16 @@ def test_check_leaves_the_callers_mode_alone():
     m[0].eval()
     check(m, torch.randn(4, 16), checks=("no_grad", "dtype"))
     assert m.training and not m[0].training and m[1].training
+
+
+def test_cli_check_honours_float32_and_rejects_bad_arguments(capsys):
+    """--dtype float32 was read as "not given" and checked bfloat16; --batch 0 passed on empty tensors;
+    a bad or absent --device gave a traceback (the new-user sweep, 2026-11-23)."""
+    assert cli.main(["check", "mlp", "--batch", "4", "--dtype", "float32", "--json"]) == 0
+    names = [c["name"] for c in json.loads(capsys.readouterr().out)["checks"]]
+    assert any("float32" in n for n in names) and not any("bfloat16" in n for n in names), names
+    for argv, said in ((["--batch", "0"], "--batch 0: must be at least 1"),
+                       (["--device", "xyz"], "--device 'xyz' is not a device name"),
+                       (["--device", "cuda:99"], "--device 'cuda:99': no such usable device")):
+        assert cli.main(["--json", "check", "mlp", *argv]) == 2  # --json before the subcommand counts too
+        assert said in json.loads(capsys.readouterr().out)["message"]

@@ -20,6 +20,8 @@ def _print_json(obj) -> None:
 def _cmd_doctor(args) -> int:
     from . import doctor
 
+    if args.probe_timeout is not None and not args.probe_timeout > 0:
+        raise ValueError(f"--probe-timeout {args.probe_timeout}: must be a positive number of seconds")
     report = doctor.run(timeout=args.probe_timeout)
     if args.json:
         _print_json({"torchkiln": __version__, **report})
@@ -59,12 +61,17 @@ def _cmd_doctor(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    common.add_argument(
-        "--log-level", choices=sorted(_log.LEVELS), help="verbosity (default: $TORCHKILN_LOG)"
-    )
-    p = argparse.ArgumentParser(prog="torchkiln", description=__doc__, parents=[common])
+    def shared(defaults: bool) -> argparse.ArgumentParser:
+        # Given before or after the subcommand. The subcommands' copy has no defaults: with them, a
+        # subcommand reset `torchkiln --json doctor`'s --json to False (the new-user sweep, 2026-11-23).
+        kw = {} if defaults else {"default": argparse.SUPPRESS}
+        c = argparse.ArgumentParser(add_help=False)
+        c.add_argument("--json", action="store_true", help="print machine-readable JSON", **kw)
+        c.add_argument("--log-level", choices=sorted(_log.LEVELS), help="verbosity (default: $TORCHKILN_LOG)", **kw)
+        return c
+
+    common = shared(False)
+    p = argparse.ArgumentParser(prog="torchkiln", description=__doc__, parents=[shared(True)])
     p.add_argument("--version", action="version", version=f"torchkiln {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -16,13 +16,13 @@ def _shape(text: str | None):
         raise ValueError(f"--shape {text!r} is not a comma-separated list of ints, e.g. 1,3,224,224") from None
 
 
-def _add_model_args(p, default_batch: int = 1) -> None:
+def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32") -> None:
     p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
                                "or package.module:callable; `bench llm` times tk.llm decoding")
     p.add_argument("--batch", type=int, default=default_batch)
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models")
     p.add_argument("--shape", help="input shape for a callable that returns a bare model, e.g. 1,3,224,224")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default=default_dtype, help=f"float32 | bfloat16 | float16 (default {default_dtype})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: where the model is)")
     p.add_argument("--level", default="O1", choices=["O0", "O1", "O2"])
 
@@ -33,7 +33,12 @@ def _load(args):
     from . import zoo
     from .modelutil import parse_dtype
 
-    parse_dtype(args.dtype)  # fail fast on a bad dtype, before building a model
+    parse_dtype(args.dtype)  # fail fast on bad arguments, before building a model
+    for name in ("batch", "seq"):
+        if getattr(args, name, 1) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
+    if args.device:
+        _check_device(args.device)
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
     if args.device:
         from .inputs import normalize, to
@@ -41,6 +46,24 @@ def _load(args):
         model = model.to(torch.device(args.device))
         sample = to(normalize(sample), args.device)
     return model, sample
+
+
+def _check_device(spec: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec!r} is not a device name torch knows; use cpu, cuda, cuda:N, xpu or mps") \
+            from None
+    if dev.type == "cpu":
+        return
+    mod = getattr(torch, dev.type, None)
+    count = mod.device_count() if mod is not None and hasattr(mod, "device_count") else 0
+    usable = mod is not None and hasattr(mod, "is_available") and mod.is_available()
+    if not usable or (dev.index is not None and dev.index >= count):
+        raise ValueError(f"--device {spec!r}: no such usable device here ({count} {dev.type} device(s) visible); "
+                         "`torchkiln doctor` lists what is usable, --device cpu always works")
 
 
 def _bench(args, model_name: str) -> int:
@@ -172,8 +195,7 @@ def _cmd_check(args) -> int:
     from .check import check
 
     model, sample = _load(args)
-    dtype = args.dtype if args.dtype != "float32" else "bfloat16"
-    result = check(model, sample, dtype=dtype, level=args.level)
+    result = check(model, sample, dtype=args.dtype, level=args.level)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
     else:
@@ -226,5 +248,7 @@ def register(sub, common) -> None:
     d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("check", parents=[common], help="consistency checks: modes, devices, dtypes, optimized")
-    _add_model_args(c)
+    # bfloat16 by default: the low-precision path is where checks find most (the --dtype float32 a user
+    # passes was once read as "not given" and checked bfloat16: the new-user sweep, 2026-11-23)
+    _add_model_args(c, default_dtype="bfloat16")
     c.set_defaults(func=_cmd_check)
