@@ -113,9 +113,11 @@ def test_the_returned_model_shows_the_originals_container_face():
     with pytest.raises(RuntimeError, match="optimized for inference"):
         fast.train()
     assert not fast.training and not copy.deepcopy(fast).training
-    assert fast.to(torch.bfloat16) is fast
+    assert fast.to(torch.bfloat16) is fast and fast.bfloat16() is fast  # the served dtype, either way
     with pytest.raises(RuntimeError, match="casting it to torch.float16"):
         fast.to(torch.float16)
+    with pytest.raises(RuntimeError, match="casting it to torch.float16"):
+        fast.half()
     solo = tk.optimize(nn.Linear(4, 4).eval())
     assert bool(solo)
     with pytest.raises(TypeError):

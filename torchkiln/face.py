@@ -60,11 +60,16 @@ class OriginalFace(nn.Module):
         return self
 
     def _apply(self, fn, *args, **kwargs):
-        # .half(), .float(), .double(), .bfloat16(), .type(), .xpu(), ...: a no-op when
-        # every tensor of the original would stay the very same object.
-        for t in tensors(self.kiln_original):
-            if fn(t) is not t:
-                self._refuse_move("this conversion")
+        # .half(), .float(), .double(), .bfloat16(), .type(), .xpu(), ...: judged as .to() judges
+        # the same move (a no-op for the served dtype: .bfloat16() raised where .to(torch.bfloat16)
+        # did not, the new-user sweep, 2026-11-23), on an empty tensor of each kind the model holds,
+        # rather than by converting every weight.
+        for dtype, device in {(t.dtype, t.device) for t in tensors(self.kiln_original)}:
+            probe = torch.empty(0, dtype=dtype, device=device)
+            out = fn(probe)
+            if out is not probe:
+                self._check_move(out.device if out.device != device else None,
+                                 out.dtype if out.dtype != dtype else None)
         return self
 
     def _check_move(self, device, dtype) -> None:
