@@ -94,3 +94,5 @@ def test_cli_check_honours_float32_and_rejects_bad_arguments(capsys):
                        (["--device", "cuda:99"], "--device 'cuda:99': no such usable device")):
         assert cli.main(["--json", "check", "mlp", *argv]) == 2  # --json before the subcommand counts too
         assert said in json.loads(capsys.readouterr().out)["message"]
+    assert cli.main(["bench", "mlp", "--iters", "0", "--json"]) == 2
+    assert "--iters 0" in json.loads(capsys.readouterr().out)["message"]

@@ -16,9 +16,9 @@ def _shape(text: str | None):
         raise ValueError(f"--shape {text!r} is not a comma-separated list of ints, e.g. 1,3,224,224") from None
 
 
-def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32") -> None:
+def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32", extra: str = "") -> None:
     p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
-                               "or package.module:callable; `bench llm` times tk.llm decoding")
+                               "or package.module:callable" + extra)
     p.add_argument("--batch", type=int, default=default_batch)
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models")
     p.add_argument("--shape", help="input shape for a callable that returns a bare model, e.g. 1,3,224,224")
@@ -74,6 +74,9 @@ def _bench(args, model_name: str) -> int:
 
     if args.plot and os.path.exists(args.plot) and not args.force:
         raise FileExistsError(f"--plot {args.plot!r} exists; pass --force to overwrite it")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
+                         "negative warm-up")
     model, sample = _load(args)
     dtype = parse_dtype(args.dtype)
     device = torch.device(args.device) if args.device else torch.device("cpu")
@@ -205,7 +208,7 @@ def _cmd_check(args) -> int:
 
 def register(sub, common) -> None:
     b = sub.add_parser("bench", parents=[common], help="time torchkiln against stock PyTorch peers")
-    _add_model_args(b)
+    _add_model_args(b, extra="; `bench llm` times tk.llm decoding")
     b.add_argument("--iters", type=int, default=20)
     b.add_argument("--warmup", type=int, default=5)
     b.add_argument("--peers", help="comma list of peers (default: all for this device and dtype)")
