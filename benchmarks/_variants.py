@@ -36,3 +36,26 @@ def print_table(title: str, times: dict, med: dict, batch: int | None = None) ->
     for n, m in sorted(med.items(), key=lambda kv: kv[1]):
         rate = f"  {batch / m * 1e3:9.0f}/s" if batch else ""
         print(f"  {n:36s} {m:8.3f} ms{rate}  {m / best:5.2f}x best  ({len(times[n])} rounds)")
+
+
+def cases(model: str, batch: int, budget: float):
+    """Parses --device/--model/--batch (several)/--budget and yields, per batch, (parsed args, device,
+    batch, the zoo model on the device, its sample args and kwargs, torchkiln's bf16 O1 recipe)."""
+    import argparse
+
+    import torchkiln as tk
+    from torchkiln import inputs, zoo
+    from torchkiln.plan import plan
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--batch", type=int, nargs="+", default=[batch])
+    ap.add_argument("--budget", type=float, default=budget)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    for b in a.batch:
+        net, x = zoo.load(a.model, batch=b)
+        net = net.to(dev).eval()
+        args, kwargs = inputs.to(inputs.normalize(x), dev)
+        yield a, dev, b, net, args, kwargs, plan(net, tk.detect(), a.device, torch.bfloat16, "O1", {}, batch=b)

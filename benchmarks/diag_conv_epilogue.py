@@ -14,19 +14,16 @@ process. Result on the H200 (RESULTS.md, 2026-11-22): 2.3-2.5x *slower*, so not 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _variants import check_and_time, print_table
+from _variants import cases, check_and_time, print_table
 
-import torchkiln as tk
-from torchkiln import inputs, stock, zoo
+from torchkiln import stock
 from torchkiln.candidates import KilnBuild
 from torchkiln.passes.compile import compile_model
-from torchkiln.plan import plan
 
 try:  # a hashable pass keeps inductor's FX graph cache on
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -151,19 +148,8 @@ class ConvEpiloguePass(CustomGraphPass):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--batch", type=int, nargs="+", default=[256])
-    ap.add_argument("--budget", type=float, default=10.0)
-    a = ap.parse_args()
-    dev = torch.device(a.device)
-    for batch in a.batch:
-        model, x = zoo.load(a.model, batch=batch)
-        model = model.to(dev).eval()
-        args, kwargs = inputs.to(inputs.normalize(x), dev)
+    for a, dev, batch, model, args, kwargs, recipe in cases("resnet50", 256, 10.0):
         sample = (args, kwargs)
-        recipe = plan(model, tk.detect(), a.device, torch.bfloat16, "O1", {}, batch=batch)
         opts = dict(recipe.compile_options)
         fns, passes = {}, {}
         for graphs in (False, True):

@@ -8,32 +8,17 @@ float32 model.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from _variants import check_and_time, print_table
+from _variants import cases, check_and_time, print_table
 
-import torchkiln as tk
-from torchkiln import inputs, stock, zoo
+from torchkiln import stock
 from torchkiln.candidates import KilnBuild
 from torchkiln.passes import registry
 from torchkiln.passes.compile import compile_model
-from torchkiln.plan import plan
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--model", default="bert-base")
-    ap.add_argument("--batch", type=int, nargs="+", default=[64])
-    ap.add_argument("--budget", type=float, default=5.0)
-    a = ap.parse_args()
-    dev = torch.device(a.device)
-    for batch in a.batch:
-        model, x = zoo.load(a.model, batch=batch)
-        model = model.to(dev).eval()
-        args, kwargs = inputs.to(inputs.normalize(x), dev)
-        recipe = plan(model, tk.detect(), a.device, torch.bfloat16, "O1", {}, batch=batch)
+    for a, dev, batch, model, args, kwargs, recipe in cases("bert-base", 64, 5.0):
         opts = dict(recipe.compile_options)
         graphs = dev.type == "cuda"
         fns = {}
