@@ -90,8 +90,8 @@ def test_cli_check_honours_float32_and_rejects_bad_arguments(capsys):
     names = [c["name"] for c in json.loads(capsys.readouterr().out)["checks"]]
     assert any("float32" in n for n in names) and not any("bfloat16" in n for n in names), names
     for argv, said in ((["--batch", "0"], "--batch 0: must be at least 1"),
-                       (["--device", "xyz"], "--device 'xyz' is not a device name"),
-                       (["--device", "cuda:99"], "--device 'cuda:99': no such usable device")):
+                       (["--device", "xyz"], "--device 'xyz' is not a device torch knows"),
+                       (["--device", "cuda:99"], "--device 'cuda:99' is not usable")):
         assert cli.main(["--json", "check", "mlp", *argv]) == 2  # --json before the subcommand counts too
         assert said in json.loads(capsys.readouterr().out)["message"]
     assert cli.main(["bench", "mlp", "--iters", "0", "--json"]) == 2

@@ -38,7 +38,9 @@ def _load(args):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
     if args.device:
-        _check_device(args.device)
+        from .hardware import resolve_device
+
+        resolve_device(args.device, arg="--device {!r}")
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
     if args.device:
         from .inputs import normalize, to
@@ -46,24 +48,6 @@ def _load(args):
         model = model.to(torch.device(args.device))
         sample = to(normalize(sample), args.device)
     return model, sample
-
-
-def _check_device(spec: str) -> None:
-    import torch
-
-    try:
-        dev = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"--device {spec!r} is not a device name torch knows; use cpu, cuda, cuda:N, xpu or mps") \
-            from None
-    if dev.type == "cpu":
-        return
-    mod = getattr(torch, dev.type, None)
-    count = mod.device_count() if mod is not None and hasattr(mod, "device_count") else 0
-    usable = mod is not None and hasattr(mod, "is_available") and mod.is_available()
-    if not usable or (dev.index is not None and dev.index >= count):
-        raise ValueError(f"--device {spec!r}: no such usable device here ({count} {dev.type} device(s) visible); "
-                         "`torchkiln doctor` lists what is usable, --device cpu always works")
 
 
 def _bench(args, model_name: str) -> int:

@@ -36,7 +36,7 @@ from ._log import warn_once
 from .candidates import Candidate, candidates
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
-from .hardware import detect
+from .hardware import detect, resolve_device
 from .modelutil import (
     DTYPES,
     dtype_name,
@@ -605,7 +605,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
                       f"does not upcast them: served in {dtype_name(own)} (call model.float() first for float32)")
         compute = own
     hw = detect()
-    target = _resolve_device(model, device, hw)
+    target = resolve_device(device if device is not None else model_device(model), hw)
     if quantize is None and _is_causal_lm(model):
         from .llm import optimize as llm_optimize
 
@@ -695,28 +695,6 @@ def _is_causal_lm(model: nn.Module) -> bool:
             and bool(can()) and callable(head) and isinstance(head(), nn.Linear))
 
 
-def _resolve_device(model: nn.Module, device, hw) -> torch.device:
-    try:
-        target = torch.device(device) if device is not None else model_device(model)
-    except (RuntimeError, TypeError) as e:
-        from .hardware import devices
-
-        raise ValueError(f"device={device!r} is not a device torch knows ({first_line(e)}); usable devices: "
-                         f"{devices(hw)}") from None
-    if target.type == "cpu":
-        return torch.device("cpu")
-    if target.index is None:
-        target = torch.device(target.type, 0)
-    acc = hw.accelerator(str(target))
-    if acc is None or not acc.usable:
-        why = acc.problem if acc is not None else "not present"
-        from .hardware import devices
-
-        raise ValueError(f"device={str(target)!r} is not usable ({why}); usable devices: {devices(hw)}. "
-                         "Run `torchkiln doctor` for the cause and fix.")
-    return target
-
-
 def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     args, kwargs = inputs.to(sample, model_device(model))
     try:
@@ -725,7 +703,6 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
-
 
 
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr

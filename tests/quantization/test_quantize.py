@@ -230,6 +230,7 @@ def test_optimize_with_quantize_serves_a_verified_compiled_model():
     fast = quiet(tk.optimize, m, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.5)
     rep = fast.kiln_report
     assert rep.recipe["passes"][0]["pass"] == "quantize" and rep.quantization["passed"]
+    assert not fast.kiln_recipe.static_shapes  # linears only: one symbolic graph serves every batch size
     ours = [c.name for c in rep.candidates if c.name.startswith("torchkiln")]
     assert ours and all("(int8-static)" in n for n in ours), ours  # named by scheme, not "float32"
     x = torch.randn(8, 64)

@@ -25,6 +25,7 @@ __all__ = [
     "detect",
     "devices",
     "default_device",
+    "resolve_device",
     "detect_topology",
 ]
 
@@ -188,3 +189,28 @@ def devices(hw: Hardware | None = None) -> list[str]:
 
 def default_device(hw: Hardware | None = None) -> str:
     return devices(hw)[0]
+
+
+def resolve_device(device, hw: Hardware | None = None, arg: str = "device={!r}"):
+    """``device`` as a torch.device (an accelerator with its index), checked usable here; else a
+    ValueError naming the argument (``arg``, formatted with the value) and the usable devices."""
+    import torch
+
+    from ..modelutil import first_line
+
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{arg.format(device)} is not a device torch knows ({first_line(e)}); usable devices: "
+                         f"{devices(hw)}") from None
+    if target.type == "cpu":
+        return torch.device("cpu")
+    if target.index is None:
+        target = torch.device(target.type, 0)
+    hw = hw or detect()
+    acc = hw.accelerator(str(target))
+    if acc is None or not acc.usable:
+        why = acc.problem if acc is not None else "not present"
+        raise ValueError(f"{arg.format(str(target))} is not usable ({why}); usable devices: {devices(hw)}. "
+                         "Run `torchkiln doctor` for the cause and fix.")
+    return target

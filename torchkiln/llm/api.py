@@ -96,10 +96,9 @@ def _check_model(model) -> None:
 
 
 def _device(model, device) -> torch.device:
-    from ..hardware import detect
-    from ..optimize import _resolve_device
+    from ..hardware import resolve_device
 
-    return _resolve_device(model, device, detect())
+    return resolve_device(device if device is not None else model_device(model))
 
 
 def _auto_dtype(model, device: torch.device) -> torch.dtype:

@@ -77,9 +77,9 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
         v = configured(name)
         return DEFAULTS.get(name, default) if v is None else v
 
-    def num(name, off):
+    def num(name):  # a number passed as None is off, which is its default
         v = get(name)
-        return off if v is None else v
+        return DEFAULTS[name] if v is None else v
 
     for key, neutral in NEUTRAL.items():
         v = get(key)
@@ -110,11 +110,11 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
     eos = get("eos_token_id")
     eos = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     do_sample = bool(get("do_sample"))
-    sampling = Sampling(do_sample=do_sample, temperature=float(num("temperature", 1.0)),
+    sampling = Sampling(do_sample=do_sample, temperature=float(num("temperature")),
                         top_k=int(get("top_k")) if do_sample and get("top_k") else None,
-                        top_p=float(num("top_p", 1.0)) if do_sample else None,
-                        repetition_penalty=float(num("repetition_penalty", 1.0)),
-                        min_new_tokens=int(num("min_new_tokens", 0)), eos=eos)
+                        top_p=float(num("top_p")) if do_sample else None,
+                        repetition_penalty=float(num("repetition_penalty")),
+                        min_new_tokens=int(num("min_new_tokens")), eos=eos)
     pad = get("pad_token_id")
     lookup, ngram = int(get("prompt_lookup_num_tokens", 0) or 0), int(get("max_matching_ngram_size", 2) or 2)
     if lookup < 0 or ngram < 1:

@@ -41,7 +41,7 @@ class AccuracyReport:
     auto_kept: list[str] = field(default_factory=list)  # of those, the ones auto_fallback chose
     quantized: int = 0  # modules quantized
     notes: list[str] = field(default_factory=list)
-    measured_on: str = ""  # which batches the outputs were measured on (see quantize's hold-out)
+    measured_on: str = ""  # which batches the outputs were measured on (eval_data, calibration batches, ...)
 
     @property
     def min_sqnr(self) -> float:

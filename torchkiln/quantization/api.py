@@ -172,8 +172,8 @@ def convert(prepared: Prepared, eval_data=None, progress: bool = True) -> nn.Mod
         raise ValueError(f"scheme {config.scheme!r} needs calibration: call the prepared model on some batches "
                          "(or pass calib_data= to tk.quantize) before convert()")
     config = _resolved(config, prepared.backend, bool(data))
-    evals, on = _evals(data, eval_data, prepared.sample)
-    return _convert(prepared, config, data, evals, progress, first=True, measured_on=on or _in_sample(config))
+    evals, on = _evals(data, eval_data, prepared.sample, config)
+    return _convert(prepared, config, data, evals, progress, first=True, measured_on=on)
 
 
 def _in_sample(config: QuantConfig) -> str:
@@ -187,12 +187,12 @@ def _in_sample(config: QuantConfig) -> str:
     return "calib_data (this scheme does not calibrate on it)"
 
 
-def _evals(data: list, eval_data, sample) -> tuple[list, str]:
+def _evals(data: list, eval_data, sample, config: QuantConfig) -> tuple[list, str]:
     """The batches accuracy is measured on, and what they are."""
     if eval_data is not None:
         return calibrate.batches(eval_data, "eval_data"), "eval_data"
     if data:
-        return data[:EVAL_BATCHES], ""
+        return data[:EVAL_BATCHES], _in_sample(config)
     return ([sample], "the export sample") if sample is not None else ([], "")
 
 
@@ -216,12 +216,12 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
                   f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''}); returned unchanged")
         return model
     sample = inputs.normalize(sample_input) if sample_input is not None else (data[0] if data else None)
-    evals, on = _evals(data, eval_data, sample)
+    evals, on = _evals(data, eval_data, sample, config)
     prepared = _prepare(model, config, sample, dev)
     if prepared.backend == "pt2e" and config.scheme == "int8-smoothquant":
         prepared = _resmoothed(prepared, data)
     calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
-    return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on or _in_sample(config))
+    return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on)
 
 
 def _resolved(config: QuantConfig, backend: str, calibrated: bool) -> QuantConfig:

@@ -59,7 +59,10 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
 def has_conv(model) -> bool:
     """Whether a pt2e-quantized model's graph holds a convolution."""
     graph = getattr(getattr(model, "graph", None), "graph", None)
-    return graph is not None and any(n.op == "call_function" and "conv" in str(n.target) for n in graph.nodes)
+    # by op packet, not by name: "conv" is also in e.g. convert_element_type
+    convs = {getattr(torch.ops.aten, n, None) for n in ("conv1d", "conv2d", "conv3d", "convolution")} - {None}
+    return graph is not None and any(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in convs
+                                     for n in graph.nodes)
 
 
 def tolerances(qi: QuantInfo, n: int) -> list[float]:
