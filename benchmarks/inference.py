@@ -81,7 +81,7 @@ def main() -> int:
     for (name, batch, dtype), target in cases.items():
         dt = parse_dtype(dtype)
         if dtype not in peaks:
-            peaks[dtype] = gemm_peak(dt, device, n=2048 if device.type == "cpu" else 8192)
+            peaks[dtype] = gemm_peak(dt, device)
         model, sample = zoo.load(name, batch=batch)
         t0 = time.time()
         res = bench(model, sample, dtype=dt, device=device, iters=args.iters, rounds=args.rounds, name=name,

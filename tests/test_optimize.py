@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from memory import live_tensor_bytes
 from threads import assert_threads_match_serial
 from torch import nn
 
@@ -658,3 +659,19 @@ def test_a_bf16_model_is_served_in_bf16_and_guarded_against_float32(dtype):
         truth = copy.deepcopy(half).float()(x)  # the bf16 weights, computed in float32
         got = fast(x.bfloat16()).float()
     assert float((got - truth).norm() / truth.norm()) < rep.tolerance
+
+
+def test_a_dropped_optimized_model_leaves_no_copies_behind():
+    # tk.optimize builds casts, compiled graphs (frozen weights on the CPU) and losing candidates;
+    # none of them may outlive the returned model (they did: 2x the weights per call, for good).
+    x = torch.randn(4, 512)
+    before = live_tensor_bytes()
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).eval()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=(x,), time_budget=0.2)
+    with torch.no_grad():
+        fast(x)
+    held = live_tensor_bytes() - before
+    assert held >= size  # the model itself, at least
+    del fast, model
+    assert live_tensor_bytes() - before < size // 8, held

@@ -1,5 +1,6 @@
 import torch
 import torch._inductor.config as inductor_config
+from memory import live_tensor_bytes
 from torch import nn
 
 from torchkiln.passes import compile_model
@@ -13,3 +14,23 @@ def test_matches_eager_and_leaves_global_config_alone():
     with torch.no_grad():
         torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
     assert inductor_config.freezing == before
+
+
+def test_a_dropped_compiled_model_frees_its_graphs_and_frozen_weights():
+    # Before the fix, dynamo's __compiled_fn_* globals and inductor's output modules (which hold
+    # frozen weights as constants) outlived the model: each compile kept a copy of the weights.
+    import torchkiln.passes.compile as pc
+
+    weights = 4 * 1024 * 1024  # 16 MB of float32 weights: far above the noise of small tensors
+    x = torch.randn(2, 1024)
+    before = live_tensor_bytes()
+    for opts in ({}, {"freezing": True}):
+        m = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 1024)).eval()
+        c = compile_model(m, opts, fullgraph=True, private=True)
+        with torch.no_grad():
+            ref = m(x)
+            torch.testing.assert_close(c(x), ref, rtol=1e-5, atol=1e-5)
+        assert live_tensor_bytes() - before >= weights  # alive while referenced (the measure can see it)
+        del m, c, ref
+    assert live_tensor_bytes() - before < weights // 16
+    assert not [k for k in vars(pc) if k.startswith("__compiled_fn")]
