@@ -335,3 +335,35 @@ def test_key_constant_mask_under_compile():
         out, names = profiled(lambda: torch.compile(f, fullgraph=True)(q, k, v, mask[..., :1]))
     assert "torchkiln::sdpa" in names
     torch.testing.assert_close(out.double(), ref_sdpa(q, k, v, attn_mask=mask.contiguous()), rtol=1e-5, atol=1e-5)
+
+
+def key_padding_masks(batch=3, L=16, S=16):
+    """Boolean key-padding masks as transformers builds them from a 2-D attention_mask:
+    one row per batch broadcast over the queries. Batch 1 has padded keys; batch 2 has none
+    left (every query row sees no key)."""
+    keep = torch.ones(batch, S, dtype=torch.bool)
+    keep[1, -5:] = False
+    keep[2] = False
+    rows = keep[:, None, None, :]
+    return {"expanded": rows.expand(batch, 1, L, S), "query_size_1": rows}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(key_padding_masks()))
+def test_key_padding_mask_on_cuda(dtype, case):
+    # CUDA's fused kernels leave rows that see no key undefined; attention() must give SDPA's
+    # zeros there, eager and compiled, with the rest of the result unchanged.
+    mask = key_padding_masks()[case]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 16, 64, generator=g) for _ in range(3))
+    ref = ref_sdpa(q, k, v, attn_mask=mask.expand(3, 1, 16, 16).contiguous())
+    assert (ref[2] == 0).all()
+    dev = [t.cuda().to(dtype) for t in (q, k, v)]
+    got = attention(*dev, mask.cuda(), False, None, False)
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double().cpu(), ref, rtol=tol, atol=tol)
+    compiled = torch.compile(lambda *a: attention(*a), fullgraph=True)
+    torch.testing.assert_close(compiled(*dev, mask.cuda(), False, None, False).double().cpu(), ref,
+                               rtol=tol, atol=tol)
