@@ -206,6 +206,9 @@ def test_zoo_callable_and_errors():
         zoo.load("no_such_pkg:fn")
     with pytest.raises(ValueError, match="--shape"):
         zoo.load("torch.nn:Identity")
+    # A callable that needs arguments is named with what it lacks (it was a raw TypeError).
+    with pytest.raises(ValueError, match=r"'torch.nn:Linear' needs argument\(s\) in_features, out_features"):
+        zoo.load("torch.nn:Linear")
 
 
 def test_demo_model_falls_back_without_transformers(monkeypatch):

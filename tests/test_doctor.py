@@ -1,8 +1,6 @@
 import json
 from dataclasses import replace
 
-import pytest
-
 from torchkiln import cli
 from torchkiln.doctor import diagnose
 from torchkiln.hardware import GPUPresence, detect
@@ -36,12 +34,13 @@ def test_doctor_text_mentions_isa(capsys):
 
 
 def test_version(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
-    assert e.value.code == 0
     import torchkiln
 
-    assert torchkiln.__version__ in capsys.readouterr().out
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"torchkiln {torchkiln.__version__}"
+    for argv in (["--json", "--version"], ["--version", "--json"]):
+        assert cli.main(argv) == 0
+        assert json.loads(capsys.readouterr().out) == {"torchkiln": torchkiln.__version__}
 
 
 def _with(gpu, torch_cuda=None, cuda_backend=False):

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     common = shared(False)
     p = argparse.ArgumentParser(prog="torchkiln", description=__doc__, parents=[shared(True)])
-    p.add_argument("--version", action="version", version=f"torchkiln {__version__}")
+    p.add_argument("--version", action="store_true", help="print the version (with --json: as JSON) and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     d = sub.add_parser("doctor", parents=[common], help="describe this machine and what is usable")
@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args._argv = list(sys.argv[1:] if argv is None else argv)
     _log.configure(args.log_level)
+    if args.version:
+        if args.json:
+            _print_json({"torchkiln": __version__})
+        else:
+            print(f"torchkiln {__version__}")
+        return 0
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

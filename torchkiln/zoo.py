@@ -8,6 +8,7 @@ torchvision's module names, so torchvision checkpoints load into it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -151,6 +152,10 @@ def load(name: str, batch: int = 1, seq: int = 128, shape: tuple[int, ...] | Non
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot import {name!r}: {e}") from e
+    needs = _required_args(obj)
+    if needs:
+        raise ValueError(f"{name!r} needs argument(s) {', '.join(needs)}; point at a callable that takes none and "
+                         "returns a model or (model, sample_input), e.g. a small function in your own module")
     built = obj()
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         return built[0].eval(), built[1]
@@ -159,3 +164,12 @@ def load(name: str, batch: int = 1, seq: int = 128, shape: tuple[int, ...] | Non
     if shape is None:
         raise ValueError(f"{name!r} returned a bare model; pass --shape (e.g. --shape 1,3,224,224) for its input")
     return built.eval(), torch.randn(*shape)
+
+
+def _required_args(obj) -> list[str]:
+    """Parameters ``obj()`` would be missing (none where the signature cannot be read)."""
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
