@@ -10,6 +10,21 @@ import torch
 from torchkiln.timing import interleaved
 
 
+def gpu_us(fn, iters: int = 20) -> float:
+    """GPU kernel time per call in us (torch.profiler's device time), after 3 warm-up calls: not
+    the host's launch time, which bounds small eager kernels such as one attention layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
+
+
 def _first(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 

@@ -16,22 +16,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from _variants import gpu_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 FORCED = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
           "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def gpu_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
 
 
 def one_batch(b: int, a) -> None:

@@ -17,8 +17,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from _variants import gpu_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 from train_step import CONFIGS, build, make_step
 
 from torchkiln.timing import interleaved
@@ -28,16 +28,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 
 
 def gpu_ms(fn, iters: int) -> float:
-    """GPU kernel time per call (torch.profiler's device time; not the host's launch time,
-    which bounds an eager attention forward+backward loop at this size)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3 / iters
+    return gpu_us(fn, iters) / 1e3
 
 
 def kernels(batch: int, heads: int, seq: int, dim: int, iters: int) -> None:
