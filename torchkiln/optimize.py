@@ -303,7 +303,7 @@ class KilnModule(OriginalFace):
         # their graphs resident otherwise (benchmarks/diag_memory.py). Rebuilt from the candidate list if needed.
         losers = len(passed) > 1
         passed.clear()
-        out = None
+        out = None  # the last candidate's output (a loser's, possibly in its CUDA-graph pool)
         if losers:
             gc.collect()
         if report.first_call_seconds is None:

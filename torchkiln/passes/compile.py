@@ -34,7 +34,7 @@ class Fresh(nn.Module):
         self.model = model
         code = Fresh._forward.__code__.replace(co_name=f"kiln_forward_{next(_ids)}")
         self.forward = types.MethodType(types.FunctionType(code, Fresh._forward.__globals__), self)
-        weakref.finalize(self, _forget, code)
+        weakref.finalize(self, _forget, code).atexit = False  # nothing to free at interpreter exit
 
     def _forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -74,7 +74,7 @@ class Compiled(nn.Module):
         self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph, dynamic=dynamic,
                                       options=extra or None)
         self._made: list[types.ModuleType] = []  # inductor's output modules compiled by this wrapper's calls
-        weakref.finalize(self, _unload, self._made)
+        weakref.finalize(self, _unload, self._made).atexit = False
 
     def forward(self, *args, **kwargs):
         import torch._inductor.config as inductor_config
