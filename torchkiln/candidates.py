@@ -163,13 +163,14 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
     dtype = DTYPES[recipe.dtype]
     conv = has_conv(original)
     out: list[Candidate] = []
+    cast = stock.SharedCast(original)
     # Stock recipes run the original where it lives; with device= elsewhere, only ours compete.
     stock_ok = scope == "auto" and not inplace and model_device(original) == device
     if stock_ok and recipe.level != "O0":
         for r in stock.eager_recipes(dtype):
-            out.append(_stock(r, original, device, conv, "eager"))
+            out.append(_stock(r, original, device, conv, "eager", cast))
     elif dtype != torch.float32 and not inplace and model_device(original) == device:
-        base = _stock(stock.eager_recipes(dtype)[0], original, device, conv, "eager")  # the plain cast
+        base = _stock(stock.eager_recipes(dtype)[0], original, device, conv, "eager", cast)  # the plain cast
         base.serve = False
         out.append(base)
     out += _kiln(KilnBuild(original, recipe, sample, inplace, fallbacks), 0)
@@ -179,7 +180,7 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
         how = "autocast" if device.type == "cpu" else "cast"
         for r in stock.compile_recipes(device, dtype):
             if r.how in ("none", how):
-                out.append(_stock(r, original, device, conv, "stock"))
+                out.append(_stock(r, original, device, conv, "stock", cast))
     if dtype != torch.float32 and not inplace:
         fp32 = recipe.replace(dtype="float32", dtype_mode="none").without("cast_dtype")
         out += _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)
@@ -200,9 +201,10 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
     return out
 
 
-def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str) -> Candidate:
-    # The original is used as is (never changed: a cast works on a copy), on its device.
-    return Candidate(r.name, kind, r.dtype, lambda: stock.build(r, original, device, cudnn_benchmark=conv),
+def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str, cast: stock.SharedCast) -> Candidate:
+    # The original is used as is (never changed: a cast works on a copy, one shared by the
+    # recipes that cast), on its device.
+    return Candidate(r.name, kind, r.dtype, lambda: stock.build(r, original, device, cudnn_benchmark=conv, cast=cast),
                      cuda_graphs=r.cuda_graphs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,12 +74,34 @@ def compile_recipes(device: torch.device, dtype: torch.dtype, autotune: bool = F
     return out
 
 
-def build(recipe: StockRecipe, model: nn.Module, device: torch.device, cudnn_benchmark: bool = False) -> Callable:
+class SharedCast:
+    """One cast copy of a model for every recipe that casts it. Compiling wraps a module
+    without changing its tensors, so the eager, compile and reduce-overhead recipes can run
+    the same copy; optimize() builds them side by side, and bert-base bf16 on the H200 held
+    three copies at once otherwise (benchmarks/RESULTS.md, tenth session). Held weakly: the
+    copy goes with the last recipe built on it, and the next build makes a new one."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._copies: dict[torch.dtype, weakref.ref] = {}
+
+    def __call__(self, dtype: torch.dtype) -> nn.Module:
+        ref = self._copies.get(dtype)
+        copied = ref() if ref is not None else None
+        if copied is None:
+            copied = copy.deepcopy(self.model).to(dtype)
+            self._copies[dtype] = weakref.ref(copied)
+        return copied
+
+
+def build(recipe: StockRecipe, model: nn.Module, device: torch.device, cudnn_benchmark: bool = False,
+          cast: SharedCast | None = None) -> Callable:
     """A callable running ``recipe`` on ``model``. ``model`` is never changed: a cast
-    works on a copy; compilation wraps it without touching its tensors."""
+    works on a copy (``cast``'s, shared with other recipes, when given); compilation
+    wraps it without touching its tensors."""
     dtype = getattr(torch, recipe.dtype)
     if recipe.how == "cast":
-        model = copy.deepcopy(model).to(dtype)
+        model = cast(dtype) if cast is not None else copy.deepcopy(model).to(dtype)
     fn: Callable = model
     if recipe.compile:
         if recipe.freezing:
