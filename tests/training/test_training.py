@@ -268,6 +268,31 @@ def test_guard_compares_without_any_dropout_noise():
     assert fast.kiln_report.guard["ok"] and model.training
 
 
+def test_the_compiled_cpu_step_drops_with_hashed_masks(monkeypatch):
+    from torchkiln.training.module import TrainModule
+
+    monkeypatch.setattr(TrainModule, "_time", lambda self, cands, by, args, kwargs: "compiled")  # tiny: eager wins
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Dropout(0.5), nn.Linear(256, 10)).train()
+    ref = copy.deepcopy(model).eval()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sample_input=data()[0],
+                          time_budget=0)
+    assert fast.kiln_recipe.passes and fast.kiln_recipe.passes[0].name == "hash_dropout"
+    assert fast.kiln_report.active.startswith("compiled")
+    assert any(a.startswith("hash_dropout") for a in fast.kiln_report.applied), fast.kiln_report.applied
+    x = data()[0]
+    a, b = fast(x), fast(x)
+    assert not torch.equal(a, b)  # each call draws new masks
+    # Inverted dropout is unbiased: the mean over many draws is the eval output, within 6 standard errors.
+    with torch.no_grad():
+        draws = torch.stack([fast(x) for _ in range(400)])
+        sigma = draws.std(0) / 20  # the standard error of a 400-draw mean
+        assert ((draws.mean(0) - ref(x)).abs() <= 6 * sigma + 1e-5).all()
+        assert (a - ref(x)).abs().mean() > 0.1
+        fast.eval()
+        torch.testing.assert_close(fast(x), ref(x))  # eval: no dropout at all
+
+
 @pytest.mark.slow  # emulated bf16 compile on an AVX2 CPU: about 75 s
 def test_hf_causal_lm_with_labels_passes_the_guard_in_bf16(monkeypatch):
     # Its own loss is one of the compared outputs; the H200 run of GPT-2-medium was rejected

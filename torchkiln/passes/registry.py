@@ -24,8 +24,10 @@ inductor's pre-grad pass.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -77,17 +79,45 @@ def register_graph(config_cls: type):
     return deco
 
 
+try:  # inductor caches compiled graphs keyed on a custom pass's uuid() only for this class
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+except ImportError:  # pragma: no cover (older torch: the pass runs, its graphs are not cached)
+    _PassBase = object
+
+
+class GraphPass(_PassBase):
+    """Base of torchkiln's pre-grad graph passes. ``uuid`` is the hash of the pass's own source file, so
+    inductor's FX graph cache holds their graphs (without it torch 2.13 warns and bypasses the cache).
+    On a cache hit the pass does not run: its counters then stay 0."""
+
+    source: str = ""  # the pass module's __file__
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        raise NotImplementedError
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256(Path(self.source).read_bytes()).digest()
+
+
 def graph_pass(configs) -> Callable[[torch.fx.Graph], None] | None:
     """One callable running the graph passes among ``configs`` (a Recipe's passes) in order, or None."""
     _load()
     passes = [_GRAPH[c.name](c) for c in configs if c.name in _GRAPH]
     if len(passes) < 2:
         return passes[0] if passes else None
+    return _Chain(passes)
 
-    def run(graph: torch.fx.Graph) -> None:
-        for p in passes:
+
+class _Chain(GraphPass):
+    def __init__(self, passes: list):
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
             p(graph)
-    return run
+
+    def uuid(self) -> bytes:
+        return b"".join(p.uuid() for p in self.passes)
 
 
 def _load() -> None:
@@ -98,6 +128,7 @@ def _load() -> None:
         fold_conv_bn,
         fold_linear_bn,
         gelu_epilogue,
+        hash_dropout,
         onednn_linear,
         replace_dropout,
     )

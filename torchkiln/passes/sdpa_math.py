@@ -43,12 +43,13 @@ from torch.overrides import TorchFunctionMode
 from ..timing import median_seconds
 
 
-def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
+def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, dropout=None) -> torch.Tensor:
     """SDPA as two batched GEMMs and a softmax, in plain traceable ops. Under torch.compile
     the router calls this inline rather than through the opaque ``torchkiln::sdpa_math``:
     inductor then fuses the mask and softmax into one C++ kernel and calls the GEMMs
     directly. bert-base bf16 bs1 seq128 on a 2-core Zen 4 (AVX512_BF16), one process,
-    interleaved: 75.6 ms inline against 80.0 ms through the opaque op (RESULTS.md)."""
+    interleaved: 75.6 ms inline against 80.0 ms through the opaque op (RESULTS.md).
+    ``dropout``: applied to the attention probabilities (training; passes/hash_dropout.py)."""
     if enable_gqa and k.size(-3) != q.size(-3):
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
@@ -69,7 +70,8 @@ def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool)
         live = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         dead = ~(live if keep is None else live & keep).any(-1, keepdim=True)
     # torch's CPU/CUDA softmax accumulates low-precision inputs in fp32 already.
-    out = torch.matmul(torch.softmax(s, -1), v)
+    probs = torch.softmax(s, -1)
+    out = torch.matmul(probs if dropout is None else dropout(probs), v)
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
@@ -178,7 +180,8 @@ def attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, op=N
     return out if rows is None else out.masked_fill(~rows, 0)
 
 
-def _unpack(args, kwargs):
+def bind_sdpa(args, kwargs) -> dict:
+    """SDPA's arguments by name, defaults filled in."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
     bound = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
@@ -231,7 +234,7 @@ class SDPARouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        b = _unpack(args, kwargs)
+        b = bind_sdpa(args, kwargs)
         tensors = [b[n] for n in ("query", "key", "value", "attn_mask") if b[n] is not None]
         # The ops have no backward.
         if b["dropout_p"] or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):

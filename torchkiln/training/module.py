@@ -31,6 +31,7 @@ from .._log import warn_once
 from ..face import OriginalFace
 from ..guard import Verdict, compare_each, tf32_allowed, tolerances
 from ..modelutil import DTYPES, first_line, has_conv, is_oom
+from ..passes import registry
 from ..passes.compile import Fresh
 from ..report import Fallback, Measurement, Report
 from ..timing import interleaved
@@ -86,7 +87,9 @@ class TrainModule(OriginalFace):
         s = object.__setattr__
         s(self, "_device", torch.device(rec.device))
         s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
-        s(self, "_compiled", torch.compile(Fresh(self._eager)) if rec.compile else None)
+        s(self, "_graph_pass", registry.graph_pass(rec.passes))
+        opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
+        s(self, "_compiled", torch.compile(Fresh(self._eager), options=opts) if rec.compile else None)
         s(self, "_fn", None)
 
     def __getstate__(self):
@@ -219,6 +222,9 @@ class TrainModule(OriginalFace):
                 m.status = "served" if n == best else "passed"
         object.__setattr__(self, "_fn", cands[best])
         report.active = names[best]
+        if best == "compiled" and "hash_dropout" in [p.name for p in rec.passes]:
+            n = getattr(self._graph_pass, "rewritten", 0)  # 0 also when the graph came from inductor's cache
+            report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the compiled step)")
         report.dtype_served = rec.dtype
         if best == "eager" and len(passed) > 1:
             warn_once(f"train-eager:{self._uid}", "torchkiln: the compiled training step was not faster than "

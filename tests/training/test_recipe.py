@@ -1,0 +1,50 @@
+"""training/recipe.py: the training plan as data, on fake machines."""
+
+import json
+
+import pytest
+import torch
+from plan.fakes import H100, X86_BF16, XPU
+
+from torchkiln.passes import registry
+from torchkiln.training.recipe import TrainRecipe, plan_training
+
+NOTE = ("fused", "AdamW switched to torch's fused step")
+
+
+@pytest.mark.parametrize("hw, device, passes", [
+    (X86_BF16, "cpu", ("hash_dropout",)),  # inductor's per-element Philox is the CPU's cost
+    (H100, "cuda:0", ()),  # Triton's RNG is not: nothing measured to replace there
+    (XPU, "xpu:0", ()),
+])
+def test_compiled_steps_on_a_cpu_get_hash_dropout(hw, device, passes):
+    rec = plan_training(hw, device, torch.bfloat16, "O1", {}, NOTE)
+    assert tuple(p.name for p in rec.passes) == passes
+    assert ("dropout in the compiled step" in " ".join(rec.notes)) == bool(passes)
+    assert ("hash_dropout" in str(rec)) == bool(passes)
+
+
+@pytest.mark.parametrize("level, knobs", [("O0", {}), ("O1", {"graph_mode": False})])
+def test_no_compiled_step_no_graph_pass(level, knobs):
+    assert plan_training(X86_BF16, "cpu", torch.bfloat16, level, knobs, NOTE).passes == ()
+
+
+def test_recipe_serialises_its_passes_by_name():
+    rec = plan_training(X86_BF16, "cpu", torch.bfloat16, "O1", {}, NOTE)
+    d = json.loads(rec.to_json())
+    assert d["passes"] == [{"pass": "hash_dropout"}]
+    again = TrainRecipe(**{**d, "passes": tuple(registry.from_dict(p) for p in d["passes"]),
+                           "notes": tuple(d["notes"])})
+    assert again == rec
+
+
+def test_unknown_passes_fail_loudly():
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass(frozen=True)
+    class Nope:
+        name: ClassVar[str] = "no_such_pass"
+
+    with pytest.raises(ValueError, match="no_such_pass"):
+        TrainRecipe(passes=(Nope(),))
