@@ -134,3 +134,18 @@ def test_what_is_not_training_dropout_is_left_alone(fn):
     before = [n.target for n in gm.graph.nodes]
     assert hd.rewrite(gm.graph) == 0
     assert [n.target for n in gm.graph.nodes] == before
+
+
+def test_graph_passes_key_inductor_cache_on_their_source():
+    from torchkiln.passes.gelu_epilogue import GeluEpiloguePass
+    from torchkiln.passes.registry import GraphPass, graph_pass, make
+
+    a, b = hd.HashDropoutPass(), GeluEpiloguePass()
+    assert isinstance(a, GraphPass) and a.uuid() == hd.HashDropoutPass().uuid() != b.uuid()
+    chain = graph_pass([make("gelu_epilogue"), make("hash_dropout")])
+    assert isinstance(chain, GraphPass) and chain.uuid() == b.uuid() + a.uuid()
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # older torch: nothing to key on
+        return
+    assert isinstance(a, CustomGraphPass) and isinstance(chain, CustomGraphPass)

@@ -1,0 +1,64 @@
+"""What dropout costs a compiled CPU training step, and what hash_dropout gives back.
+
+    python benchmarks/diag_train_dropout.py --model bert-base --batch 8 --seq 128 --budget 60
+
+Three builds of the stock step (torch.compile + autocast bf16 + fused AdamW), each on its own
+copy of the model, interleaved in one process:
+  stock         as a user writes it (inductor's dropout: a Philox evaluation per element)
+  hash_dropout  the same, with torchkiln's hash_dropout graph pass as inductor's pre-grad pass
+  no dropout    every dropout probability set to 0: the ceiling for any dropout speedup
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+
+import torch
+from train_step import CONFIGS, build, make_step
+
+from torchkiln.passes.hash_dropout import HashDropoutPass
+from torchkiln.timing import interleaved
+
+
+def no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "dropout_prob", None), float):  # transformers' attention modules
+            m.dropout_prob = 0.0
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bert-base", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds of interleaved timing")
+    a = ap.parse_args()
+    base = build(a.model, "cpu")
+    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq))
+    batch = {"input_ids": ids, "labels": ids}
+    hashed = HashDropoutPass()
+    builds = {"stock": (lambda m: m, None), "hash_dropout": (lambda m: m, {"pre_grad_custom_pass": hashed}),
+              "no dropout": (no_dropout, None)}
+    steps = {}
+    for name, (prep, opts) in builds.items():
+        m = prep(copy.deepcopy(base))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+        steps[name] = make_step(torch.compile(m, options=opts), opt, batch, "cpu", torch.bfloat16, True)
+        for _ in range(2):  # compile, then one warm step
+            steps[name]()
+    times = interleaved(steps, torch.device("cpu"), a.budget)
+    med = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
+    print(f"{a.model} bs{a.batch} seq{a.seq}, CPU, torch {torch.__version__}; {hashed.rewritten} dropout sites "
+          f"rewritten; medians of {min(len(t) for t in times.values())}+ interleaved steps")
+    print("| build | ms/step | x stock |\n|---|---|---|")
+    for n, ms in med.items():
+        print(f"| {n} | {ms:.1f} | {med['stock'] / ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
