@@ -1,6 +1,7 @@
-"""What dropout costs a compiled CPU training step, and what hash_dropout gives back.
+"""What dropout costs a compiled training step, and what hash_dropout gives back.
 
     python benchmarks/diag_train_dropout.py --model bert-base --batch 8 --seq 128 --budget 60
+    python benchmarks/diag_train_dropout.py --device cuda --model gpt2-medium --batch 16 --seq 512
 
 Three builds of the stock step (torch.compile + autocast bf16 + fused AdamW), each on its own
 copy of the model, interleaved in one process:
@@ -33,27 +34,30 @@ def no_dropout(model):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="bert-base", choices=sorted(CONFIGS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of interleaved timing")
     a = ap.parse_args()
-    base = build(a.model, "cpu")
-    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq))
+    dev = torch.device(a.device)
+    base = build(a.model, a.device)
+    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), device=dev)
     batch = {"input_ids": ids, "labels": ids}
-    hashed = HashDropoutPass()
+    # The planner installs it on CPUs only; on CUDA, SDPA's dropout stays inside its flash kernel.
+    hashed = HashDropoutPass(devices=(dev.type,), attention=dev.type == "cpu")
     builds = {"stock": (lambda m: m, None), "hash_dropout": (lambda m: m, {"pre_grad_custom_pass": hashed}),
               "no dropout": (no_dropout, None)}
     steps = {}
     for name, (prep, opts) in builds.items():
         m = prep(copy.deepcopy(base))
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
-        steps[name] = make_step(torch.compile(m, options=opts), opt, batch, "cpu", torch.bfloat16, True)
+        steps[name] = make_step(torch.compile(m, options=opts), opt, batch, dev.type, torch.bfloat16, True)
         for _ in range(2):  # compile, then one warm step
             steps[name]()
-    times = interleaved(steps, torch.device("cpu"), a.budget)
+    times = interleaved(steps, dev, a.budget)
     med = {n: statistics.median(ts) * 1e3 for n, ts in times.items()}
-    print(f"{a.model} bs{a.batch} seq{a.seq}, CPU, torch {torch.__version__}; {hashed.rewritten} dropout sites "
+    print(f"{a.model} bs{a.batch} seq{a.seq}, {a.device}, torch {torch.__version__}; {hashed.rewritten} dropout sites "
           f"rewritten; medians of {min(len(t) for t in times.values())}+ interleaved steps")
     print("| build | ms/step | x stock |\n|---|---|---|")
     for n, ms in med.items():

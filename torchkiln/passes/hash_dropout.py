@@ -107,18 +107,19 @@ def _device(node) -> torch.device | None:
     return val.device if isinstance(val, torch.Tensor) else None
 
 
-def rewrite(graph: torch.fx.Graph) -> int:
-    """Rewrites the graph's training-mode dropouts; returns how many."""
+def rewrite(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cpu",), attention: bool = True) -> int:
+    """Rewrites the graph's training-mode dropouts on ``devices`` (device types); returns how many.
+    ``attention=False`` leaves SDPA alone (on CUDA its flash kernels drop inside the kernel)."""
     sites = []
     for node in graph.nodes:
         b = _dropout_site(node)
         kind = "dropout"
-        if b is None:
+        if b is None and attention:
             b, kind = _attention_site(node), "attention"
         if b is None:
             continue
         dev = _device(b["input"] if kind == "dropout" else b["query"])
-        if dev is None or dev.type != "cpu":  # measured on CPUs only; Triton's GPU RNG is fast
+        if dev is None or dev.type not in devices:  # the planner asks for CPUs only (measured there)
             continue
         sites.append((node, kind, b, dev))
     if not sites:
@@ -148,11 +149,11 @@ class HashDropoutPass(GraphPass):
 
     source = __file__
 
-    def __init__(self):
-        self.rewritten = 0
+    def __init__(self, devices: tuple[str, ...] = ("cpu",), attention: bool = True):
+        self.rewritten, self.devices, self.attention = 0, devices, attention
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.rewritten += rewrite(graph)
+        self.rewritten += rewrite(graph, self.devices, self.attention)
 
 
 @dataclass(frozen=True)
