@@ -12,12 +12,11 @@ copy of the model, interleaved in one process:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 
 import torch
-from train_step import CONFIGS, build, make_step
+from train_step import build, make_step, step_args
 
 from torchkiln.passes.hash_dropout import HashDropoutPass
 from torchkiln.timing import interleaved
@@ -33,13 +32,7 @@ def no_dropout(model):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model", default="bert-base", choices=sorted(CONFIGS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--budget", type=float, default=60.0, help="seconds of interleaved timing")
-    a = ap.parse_args()
+    a = step_args(60.0).parse_args()
     dev = torch.device(a.device)
     base = build(a.model, a.device)
     ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), device=dev)

@@ -60,14 +60,20 @@ def make_step(model, opt, batch: dict, device_type: str, dtype: torch.dtype, aut
     return step
 
 
-def main():
+def step_args(budget: float) -> argparse.ArgumentParser:
+    """The arguments every training-step script takes: where, which model, what batch, how long."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="bert-base", choices=sorted(CONFIGS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--budget", type=float, default=budget, help="seconds of interleaved timing")
+    return ap
+
+
+def main():
+    ap = step_args(30.0)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--budget", type=float, default=30.0, help="seconds of interleaved timing")
     ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
     ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory while building and training (see above)")
     a = ap.parse_args()

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .registry import GraphPass, register, register_graph
+from .registry import GraphPass, register_graph_only
 
 
 @torch.library.custom_op("torchkiln::linear_gelu", mutates_args=())
@@ -109,11 +109,4 @@ class GeluEpilogueConfig:
     name: ClassVar[str] = "gelu_epilogue"
 
 
-@register(GeluEpilogueConfig, order=90)
-def _apply(model, config, ctx):
-    return model, "in the compiled graph"
-
-
-@register_graph(GeluEpilogueConfig)
-def _graph(config):
-    return GeluEpiloguePass()
+register_graph_only(GeluEpilogueConfig, 90, "in the compiled graph", lambda config: GeluEpiloguePass())

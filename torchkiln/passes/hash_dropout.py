@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .registry import GraphPass, register, register_graph
+from .registry import GraphPass, register_graph_only
 from .sdpa_math import bind_sdpa, math_attention
 
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - (1 << 32)  # lowbias32's multipliers, as int32
@@ -161,11 +161,4 @@ class HashDropoutConfig:
     name: ClassVar[str] = "hash_dropout"
 
 
-@register(HashDropoutConfig, order=95)
-def _apply(model, config, ctx):
-    return model, "in the compiled training step"
-
-
-@register_graph(HashDropoutConfig)
-def _graph(config):
-    return HashDropoutPass()
+register_graph_only(HashDropoutConfig, 95, "in the compiled training step", lambda config: HashDropoutPass())

@@ -79,6 +79,12 @@ def register_graph(config_cls: type):
     return deco
 
 
+def register_graph_only(config_cls: type, order: int, note: str, factory: Callable[[object], Callable]) -> None:
+    """A pass that only rewrites the captured graph: its module-level step leaves the model as it is."""
+    register(config_cls, order)(lambda model, config, ctx: (model, note))
+    register_graph(config_cls)(factory)
+
+
 try:  # inductor caches compiled graphs keyed on a custom pass's uuid() only for this class
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
 except ImportError:  # pragma: no cover (older torch: the pass runs, its graphs are not cached)
