@@ -142,6 +142,7 @@ def test_graph_passes_key_inductor_cache_on_their_source():
 
     a, b = hd.HashDropoutPass(), GeluEpiloguePass()
     assert isinstance(a, GraphPass) and a.uuid() == hd.HashDropoutPass().uuid() != b.uuid()
+    assert hd.HashDropoutPass(devices=("cuda",), attention=False).uuid() != a.uuid()  # another rewrite, another key
     chain = graph_pass([make("gelu_epilogue"), make("hash_dropout")])
     assert isinstance(chain, GraphPass) and chain.uuid() == b.uuid() + a.uuid()
     try:

@@ -121,13 +121,14 @@ def rewrite(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cpu",), attentio
         dev = _device(b["input"] if kind == "dropout" else b["query"])
         if dev is None or dev.type not in devices:  # the planner asks for CPUs only (measured there)
             continue
-        sites.append((node, kind, b, dev))
+        sites.append((node, kind))
+        device = dev
     if not sites:
         return 0
     first = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first):
-        seeds = graph.call_function(new_seeds, (len(sites), sites[0][3]))
-    for i, (node, kind, _, _) in enumerate(sites):
+        seeds = graph.call_function(new_seeds, (len(sites), device))
+    for i, (node, kind) in enumerate(sites):
         # bound again: an earlier rewrite may have replaced this node's input (dropout after attention)
         b = _dropout_site(node) if kind == "dropout" else _attention_site(node)
         with graph.inserting_before(node):
@@ -154,6 +155,9 @@ class HashDropoutPass(GraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.rewritten += rewrite(graph, self.devices, self.attention)
+
+    def options(self) -> tuple:
+        return self.devices, self.attention
 
 
 @dataclass(frozen=True)

@@ -93,16 +93,21 @@ except ImportError:  # pragma: no cover (older torch: the pass runs, its graphs 
 
 class GraphPass(_PassBase):
     """Base of torchkiln's pre-grad graph passes. ``uuid`` is the hash of the pass's own source file, so
-    inductor's FX graph cache holds their graphs (without it torch 2.13 warns and bypasses the cache).
-    On a cache hit the pass does not run: its counters then stay 0."""
+    inductor's FX graph cache holds their graphs (without it torch 2.13 warns and bypasses the cache),
+    with the pass's ``options()``, so two configurations never share a cached graph. On a cache hit
+    the pass does not run: its counters then stay 0."""
 
     source: str = ""  # the pass module's __file__
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         raise NotImplementedError
 
+    def options(self) -> tuple:
+        """What else, besides the source, decides the rewrite."""
+        return ()
+
     def uuid(self) -> bytes:
-        return hashlib.sha256(Path(self.source).read_bytes()).digest()
+        return hashlib.sha256(Path(self.source).read_bytes() + repr(self.options()).encode()).digest()
 
 
 def graph_pass(configs) -> Callable[[torch.fx.Graph], None] | None:
