@@ -1,5 +1,10 @@
 """A full training step (forward, backward, optimizer step), torchkiln against the
-stock recipes, interleaved in one process; prints ratios, tokens/s and MFU.
+stock recipes, interleaved; prints ratios, tokens/s and MFU.
+
+On a CPU each peer runs in a process of its own (built one after another, then one step of
+each per round, the idle ones waiting on a pipe): torchkiln's CPU plan changes process-wide
+malloc settings (runtime/allocator.py), which stock peers in the same process would get for
+free. --same-process builds them all here, as before.
 
     python benchmarks/train_step.py --device cpu  --model bert-base   --batch 8  --seq 128
     python benchmarks/train_step.py --device cuda --model gpt2-medium --batch 16 --seq 512
@@ -10,6 +15,7 @@ Peers, each on its own copy of the model:
   compile fp32        the same without autocast (the stock choice on a CPU without native bf16)
   torchkiln           tk.optimize(model, optimizer=AdamW(...), dtype=...), the loop unchanged
   torchkiln split     the same with split_master_weight_for_bf16=True (bf16 weights, exact fp32 masters)
+  torchkiln malloc-default  the same with cpu_allocator="default" (glibc malloc left as it is)
 
 On CUDA, --memory reports each peer's peak allocated memory over what was allocated before it was
 built: while building (tk.optimize's verification and timing included) and the first step, and over
@@ -71,26 +77,14 @@ def step_args(budget: float) -> argparse.ArgumentParser:
     return ap
 
 
-def main():
-    ap = step_args(30.0)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
-    ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory while building and training (see above)")
-    a = ap.parse_args()
+def makers_for(a, batch: dict, low: torch.dtype, notes: dict) -> dict:
+    """name -> a function that turns a copy of the model into that peer's step."""
     dev = torch.device(a.device)
-    low = getattr(torch, a.dtype)
-    base = build(a.model, a.device)
-    n_params = sum(p.numel() for p in base.parameters())
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), generator=g).to(dev)
-    batch = {"input_ids": ids, "labels": ids}
-    steps, notes = {}, {}
     want = a.peers.split(",")
 
     def stepper(model, opt, autocast):
         return make_step(model, opt, batch, dev.type, low, autocast)
 
-    t0 = time.perf_counter()
     makers = {}
     if "eager fp32" in want:
         makers["eager fp32"] = lambda m: stepper(m, torch.optim.AdamW(m.parameters(), lr=1e-5), False)
@@ -100,14 +94,90 @@ def main():
     if "compile fp32" in want:  # the stock peer where bf16 is not native (emulated bf16 is far slower)
         makers["compile fp32 +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), False)
-    for name, split in (("torchkiln", False), ("torchkiln split", True)):
+    for name, knobs in (("torchkiln", {}), ("torchkiln split", {"split_master_weight_for_bf16": True}),
+                        ("torchkiln malloc-default", {"cpu_allocator": "default"})):
         if name in want:
-            def make(m, name=name, split=split):
+            def make(m, name=name, knobs=knobs):
                 fast, opt = tk.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-5), dtype=low,
-                                        sample_input=batch, split_master_weight_for_bf16=split)
+                                        sample_input=batch, **knobs)
                 notes[name] = str(fast.kiln_report)
                 return stepper(fast, opt, False)
             makers[name] = make
+    return makers
+
+
+def setup(a):
+    """The model and batch every peer starts from (the same seeds in every process)."""
+    dev = torch.device(a.device)
+    base = build(a.model, a.device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), generator=g).to(dev)
+    return base, {"input_ids": ids, "labels": ids}
+
+
+def _worker(conn, a, name):
+    """One peer in a process of its own: build, warm up, then one step per request."""
+    base, batch = setup(a)
+    notes = {}
+    step = makers_for(a, batch, getattr(torch, a.dtype), notes)[name](base)
+    t = time.perf_counter()
+    for _ in range(2):
+        step()
+    conn.send((time.perf_counter() - t, notes.get(name)))
+    while conn.recv() == "step":
+        step()
+        conn.send(None)
+
+
+class Isolated:
+    """A peer's step in its own process. Why: tk.optimize's CPU training plan sets process-wide
+    state (glibc malloc keeps freed memory, runtime/allocator.py) that stock peers in the same
+    process would share; a user running the stock recipe has no such setting."""
+
+    def __init__(self, a, name):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, a, name), daemon=True)
+        self.proc.start()
+
+    def ready(self):
+        return self.conn.recv()  # (warm-up seconds, report text)
+
+    def __call__(self):
+        self.conn.send("step")
+        self.conn.recv()
+
+    def close(self):
+        self.conn.send("stop")
+        self.proc.join(60)
+
+
+def main():
+    ap = step_args(30.0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--peers", default="eager fp32,compile+autocast,torchkiln")
+    ap.add_argument("--memory", action="store_true", help="CUDA: each peer's peak memory while building and training (see above)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="CPU: build every peer in this process (default: one process per peer, see Isolated)")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    low = getattr(torch, a.dtype)
+    base, batch = setup(a)
+    n_params = sum(p.numel() for p in base.parameters())
+    steps, notes = {}, {}
+    t0 = time.perf_counter()
+    makers = makers_for(a, batch, low, notes)
+    isolate = dev.type == "cpu" and not a.same_process
+    if isolate:  # built one after another, so no two compile at once on the timed cores
+        for name in makers:
+            steps[name] = Isolated(a, name)
+            warm, notes[name] = steps[name].ready()
+            print(f"  built {name} in its own process ({warm:.1f} s warm-up)", flush=True)
+            if notes[name] is None:
+                del notes[name]
+        makers = {}
     memory = {}  # name -> (peak during optimize and the first step, peak over two later steps), GiB
     cuda = a.memory and dev.type == "cuda"
     for name, make in makers.items():
@@ -128,6 +198,8 @@ def main():
             print(f"  {name}: peak {memory[name][0]:.2f} GiB building, {memory[name][1]:.2f} GiB training",
                   flush=True)
     for name, s in steps.items():  # compile and warm up outside the clock
+        if isolate:
+            break
         t = time.perf_counter()
         for _ in range(2):
             s()
@@ -160,6 +232,9 @@ def main():
     print("\n".join(lines))
     for n, txt in notes.items():
         print(f"\n{n} report:\n{txt}")
+    for s in steps.values():
+        if isinstance(s, Isolated):
+            s.close()
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
 

@@ -577,9 +577,10 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         if k in knobs:
             warn_once(f"intel:{k}", f"torchkiln: {k} is an Intel-IPEX-only knob with no vendor-neutral "
                       "meaning; accepted and ignored")
-    if optimizer is None and "split_master_weight_for_bf16" in knobs:
-        warn_once("split-inference", "torchkiln: split_master_weight_for_bf16 applies to training (with "
-                  "optimizer=); ignored for inference")
+    for k in ("split_master_weight_for_bf16", "cpu_allocator"):
+        if optimizer is None and k in knobs:
+            warn_once(f"{k}-inference", f"torchkiln: {k} applies to training (with optimizer=); ignored for "
+                      "inference")
     if level not in ("O0", "O1", "O2"):
         raise ValueError(f"level={level!r} is not one of 'O0' (nothing), 'O1' (safe default), 'O2' (aggressive)")
     if verify not in VERIFY:

@@ -48,3 +48,24 @@ def test_unknown_passes_fail_loudly():
 
     with pytest.raises(ValueError, match="no_such_pass"):
         TrainRecipe(passes=(Nope(),))
+
+
+@pytest.mark.parametrize("hw, device, level, knobs, want", [
+    (X86_BF16, "cpu", "O1", {}, "keep"),  # CPU training: glibc keeps the step's large blocks
+    (X86_BF16, "cpu", "O1", {"graph_mode": False}, "keep"),  # eager steps allocate the same tensors
+    (X86_BF16, "cpu", "O0", {}, "default"),  # O0 changes nothing
+    (X86_BF16, "cpu", "O1", {"cpu_allocator": "default"}, "default"),
+    (H100, "cuda:0", "O1", {}, "default"),  # CUDA has its own caching allocator
+    (H100, "cuda:0", "O1", {"cpu_allocator": "keep"}, "default"),
+])
+def test_the_allocator_choice(hw, device, level, knobs, want):
+    rec = plan_training(hw, device, torch.bfloat16, level, knobs, NOTE)
+    assert rec.allocator == want
+    assert ("keeps freed memory" in str(rec)) == (want == "keep")
+    if knobs.get("cpu_allocator") == "keep" and want == "default":
+        assert any("cpu_allocator='keep': not used" in n for n in rec.notes)
+
+
+def test_a_bad_allocator_value_names_the_knob_and_the_choices():
+    with pytest.raises(ValueError, match=r"cpu_allocator='jemalloc' must be 'keep'.*'default'"):
+        plan_training(X86_BF16, "cpu", torch.bfloat16, "O1", {"cpu_allocator": "jemalloc"}, NOTE)

@@ -435,3 +435,39 @@ def test_when_no_reference_fits_the_compiled_step_serves_unverified_and_says_so(
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
+
+
+def test_cpu_training_keeps_freed_memory_and_reports_it(monkeypatch):
+    from torchkiln.runtime import allocator
+
+    if allocator.why_not() is not None:
+        pytest.skip(f"needs glibc's malloc: {allocator.why_not()}")
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or "glibc malloc keeps it")
+    model = net()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert calls == [1] and fast.kiln_recipe.allocator == "keep"
+    assert "allocator: glibc malloc keeps it" in fast.kiln_report.applied
+    model = net()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), cpu_allocator="default")
+    assert calls == [1] and fast.kiln_recipe.allocator == "default"
+    assert not any("allocator" in a for a in fast.kiln_report.applied)
+
+
+def test_where_malloc_cannot_be_set_training_goes_on_and_says_why(monkeypatch):
+    from torchkiln.runtime import allocator
+
+    monkeypatch.setattr(allocator, "_DONE", None)
+    monkeypatch.setattr(allocator, "why_not", lambda: "tcmalloc is loaded (it replaces glibc's malloc)")
+    model = net()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert fast.kiln_recipe.allocator == "default"
+    assert any("allocator: left as it is: tcmalloc is loaded" in n for n in fast.kiln_recipe.notes)
+    train(fast, torch.optim.SGD(fast.parameters(), lr=0.1), 1)  # and it trains
+
+
+def test_the_allocator_knob_warns_for_inference():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tk.optimize(net().eval(), cpu_allocator="keep")
+    assert any("cpu_allocator applies to training" in str(x.message) for x in w)

@@ -21,9 +21,9 @@ KNOB_PASSES = {
 }
 KNOBS = (*KNOB_PASSES, "graph_mode", "auto_kernel_selection", "optimize_lstm",
          "split_master_weight_for_bf16", "fuse_update_step", "compile_options", "autocast",
-         "onednn_graph")
+         "onednn_graph", "cpu_allocator")
 # Knobs with no vendor-neutral meaning: accepted, warned about once, ignored.
-# (split_master_weight_for_bf16 is training's: training/recipe.py.)
+# (split_master_weight_for_bf16 and cpu_allocator are training's: training/recipe.py.)
 INTEL_ONLY = ("optimize_lstm", "fuse_update_step")
 
 _FAMILIES = {"cpu": cpu, "cuda": cuda}

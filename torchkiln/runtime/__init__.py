@@ -11,6 +11,7 @@
     command.py    the `torchkiln run` subcommand
     pool.py       tk.runtime.CPUPool and pin(): torch work on chosen cores, in-process
     streams.py    tk.runtime.MultiStreamModule and Task: calls on pinned threads of their own
+    allocator.py  glibc malloc keeps freed memory (CPU training's plan; process-wide, set once)
     timed.py      tk.runtime.measure: a benchmark's timed window, shared by the instances of a layout
     tuning.py     `torchkiln run --autotune` / tk.runtime.autotune: measure layouts, save the best as JSON,
                   `--layout FILE` reads it back (re-planned when tuned on another machine)

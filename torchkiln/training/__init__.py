@@ -22,6 +22,7 @@ from .._log import warn_once
 from ..hardware import detect
 from ..modelutil import model_device, parse_dtype
 from ..report import Report
+from ..runtime import allocator as _allocator
 from . import fuse as _fuse
 from . import split as _split
 from .module import AutocastStep, TrainModule, _world
@@ -55,6 +56,13 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
             why_not = why_not or "no float32 weight (2+ dims) on one device to split"
             recipe = dataclasses.replace(recipe, master_weights="fp32",
                                          notes=(*recipe.notes, f"split_master_weight_for_bf16: not used: {why_not}"))
+    kept = None
+    if recipe.allocator == "keep":
+        try:
+            kept = _allocator.keep_freed_memory()
+        except OSError as e:
+            recipe = dataclasses.replace(recipe, allocator="default",
+                                         notes=(*recipe.notes, f"allocator: left as it is: {e}"))
     if recipe.dtype != str(compute).removeprefix("torch."):
         warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
     if kind == "own step":
@@ -63,6 +71,8 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
         _fuse.fuse(optimizer)
     _DONE.add(optimizer)
     applied = [f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"]
+    if kept:
+        applied.append(f"allocator: {kept}")
     splitter = None
     if split:
         splitter = _split.SplitWeights(split, optimizer)
