@@ -12,6 +12,8 @@ free. --same-process builds them all here, as before.
 Peers, each on its own copy of the model:
   eager fp32          the loop as written, AdamW (torch's default, foreach)
   compile+autocast    torch.compile(model), autocast in the loop, AdamW(fused=True)
+  compile+autocast malloc-keep  the same in a process where glibc malloc keeps freed memory (set by
+                      hand: what preloading jemalloc, as `torchkiln run` and torch's run_cpu do, gives)
   compile fp32        the same without autocast (the stock choice on a CPU without native bf16)
   torchkiln           tk.optimize(model, optimizer=AdamW(...), dtype=...), the loop unchanged
   torchkiln split     the same with split_master_weight_for_bf16=True (bf16 weights, exact fp32 masters)
@@ -91,6 +93,13 @@ def makers_for(a, batch: dict, low: torch.dtype, notes: dict) -> dict:
     if "compile+autocast" in want:
         makers[f"compile+autocast {a.dtype} +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
+    if "compile+autocast malloc-keep" in want:  # the stock recipe with jemalloc-like reuse (its own process)
+        def keep(m):
+            from torchkiln.runtime import allocator
+
+            allocator.keep_freed_memory()
+            return stepper(torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
+        makers[f"compile+autocast {a.dtype} +fused AdamW, malloc keeps freed memory"] = keep
     if "compile fp32" in want:  # the stock peer where bf16 is not native (emulated bf16 is far slower)
         makers["compile fp32 +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), False)
@@ -170,6 +179,8 @@ def main():
     t0 = time.perf_counter()
     makers = makers_for(a, batch, low, notes)
     isolate = dev.type == "cpu" and not a.same_process
+    if not isolate and any("malloc" in n for n in makers):
+        sys.exit("the malloc peers change process-wide settings: run them without --same-process, on a CPU")
     if isolate:  # built one after another, so no two compile at once on the timed cores
         for name in makers:
             steps[name] = Isolated(a, name)

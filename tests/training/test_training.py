@@ -437,7 +437,7 @@ def test_when_no_reference_fits_the_compiled_step_serves_unverified_and_says_so(
     assert torch.isfinite(loss)
 
 
-def test_cpu_training_keeps_freed_memory_and_reports_it(monkeypatch):
+def test_cpu_training_keeps_freed_memory_after_the_candidates_and_reports_it(monkeypatch):
     from torchkiln.runtime import allocator
 
     if allocator.why_not() is not None:
@@ -445,13 +445,34 @@ def test_cpu_training_keeps_freed_memory_and_reports_it(monkeypatch):
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or "glibc malloc keeps it")
     model = net()
-    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert calls == [1] and fast.kiln_recipe.allocator == "keep"
-    assert "allocator: glibc malloc keeps it" in fast.kiln_report.applied
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert fast.kiln_recipe.allocator == "keep"
+    assert calls == []  # nothing process-wide before the candidates are built and timed (first training call)
+    train(fast, opt, 1)
+    assert calls == [1] and "allocator: glibc malloc keeps it" in fast.kiln_report.applied
+    model = net()  # no compiled candidate: set at once
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), graph_mode=False)
+    assert calls == [1, 1] and "allocator: glibc malloc keeps it" in fast.kiln_report.applied
     model = net()
-    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), cpu_allocator="default")
-    assert calls == [1] and fast.kiln_recipe.allocator == "default"
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), cpu_allocator="default")
+    train(fast, opt, 1)
+    assert calls == [1, 1] and fast.kiln_recipe.allocator == "default"
     assert not any("allocator" in a for a in fast.kiln_report.applied)
+
+
+def test_a_refused_setting_is_a_reported_fallback(monkeypatch):
+    from torchkiln.runtime import allocator
+
+    if allocator.why_not() is not None:
+        pytest.skip(f"needs glibc's malloc: {allocator.why_not()}")
+
+    def refuse():
+        raise OSError("glibc's mallopt refused the settings")
+    monkeypatch.setattr(allocator, "keep_freed_memory", refuse)
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    train(fast, opt, 1)
+    assert any(f.reason == "glibc's mallopt refused the settings" for f in fast.kiln_report.fallbacks)
 
 
 def test_where_malloc_cannot_be_set_training_goes_on_and_says_why(monkeypatch):

@@ -56,13 +56,9 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
             why_not = why_not or "no float32 weight (2+ dims) on one device to split"
             recipe = dataclasses.replace(recipe, master_weights="fp32",
                                          notes=(*recipe.notes, f"split_master_weight_for_bf16: not used: {why_not}"))
-    kept = None
-    if recipe.allocator == "keep":
-        try:
-            kept = _allocator.keep_freed_memory()
-        except OSError as e:
-            recipe = dataclasses.replace(recipe, allocator="default",
-                                         notes=(*recipe.notes, f"allocator: left as it is: {e}"))
+    if recipe.allocator == "keep" and _allocator.why_not():
+        recipe = dataclasses.replace(recipe, allocator="default",
+                                     notes=(*recipe.notes, f"allocator: left as it is: {_allocator.why_not()}"))
     if recipe.dtype != str(compute).removeprefix("torch."):
         warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
     if kind == "own step":
@@ -71,8 +67,6 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
         _fuse.fuse(optimizer)
     _DONE.add(optimizer)
     applied = [f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"]
-    if kept:
-        applied.append(f"allocator: {kept}")
     splitter = None
     if split:
         splitter = _split.SplitWeights(split, optimizer)
@@ -83,6 +77,8 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     if sample_input is not None and recipe.compile:
         args, kwargs = inputs.to(inputs.normalize(sample_input), here)
         tm._setup(args, kwargs)
+    elif not recipe.compile:
+        tm._keep_memory()  # no candidates to build: the step's memory settings now
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     return tm, optimizer
 
