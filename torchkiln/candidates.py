@@ -48,6 +48,19 @@ class Candidate:
     # the same with inductor's Python wrapper, for a build with the C++ wrapper that fails otherwise
     python_wrapper: Callable[[], Candidate] | None = None
     serve: bool = True  # False: run only to measure the plain cast's error (the guard's baseline)
+    graph_passes: bool = True  # its callable is compiled with the recipe's graph passes
+
+
+def applied_for(cand: Candidate) -> list[str]:
+    """What the report lists as applied when ``cand`` serves: the build's passes, less those that act
+    only in a compiled graph where this candidate has none (the eager and oneDNN Graph candidates share
+    the compiled one's build, and its list)."""
+    if cand.kind != "torchkiln":
+        return []
+    if cand.graph_passes:
+        return list(cand.applied)
+    skip = registry.graph_only()
+    return [a for a in cand.applied if a.split(" ", 1)[0] not in skip]
 
 
 class KilnBuild:
@@ -125,9 +138,10 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
         # (its op takes an optional-scalar list TorchScript rejects): a build without it.
         gbuild = KilnBuild(build.original, rec.without("onednn_linear"), build.sample, False, build.fallbacks)
         out.append(Candidate(f"torchkiln oneDNN graph ({tag})", "torchkiln", tag,
-                             lambda: gbuild.call(OneDNNGraph(gbuild.runner()), False), tier, False, gbuild.applied))
+                             lambda: gbuild.call(OneDNNGraph(gbuild.runner()), False), tier, False, gbuild.applied,
+                             graph_passes=False))
     out.append(Candidate(f"torchkiln eager passes ({tag})", "torchkiln", tag,
-                         lambda: build.call(build.runner(), False), tier, False, build.applied))
+                         lambda: build.call(build.runner(), False), tier, False, build.applied, graph_passes=False))
     return out
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _log, inputs
 from ._log import warn_once
-from .candidates import Candidate, candidates
+from .candidates import Candidate, applied_for, candidates
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
@@ -420,7 +420,7 @@ class KilnModule(OriginalFace):
         object.__setattr__(self, "_choice", name)
         report.active = name
         report.dtype_served = cand.dtype
-        report.applied = list(cand.applied) if cand.kind == "torchkiln" else []
+        report.applied = applied_for(cand)
         for m in report.candidates:
             if m.status == "served":
                 m.status = "passed"

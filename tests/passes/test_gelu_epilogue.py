@@ -60,3 +60,21 @@ def test_gradients_flow_through_the_fused_op(approximate):
     m(x).square().sum().backward()
     for g, r in zip(got, (x.grad, m.up.weight.grad, m.up.bias.grad), strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_only_a_compiled_candidate_reports_the_graph_pass():
+    # The eager-passes candidate shares the compiled one's build (and its list of passes that ran), but
+    # runs no graph: it must not report gelu_epilogue as applied.
+    from torchkiln.candidates import applied_for, candidates
+    from torchkiln.recipe import Recipe
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU()).eval()
+    rec = Recipe(device="cpu", dtype="float32", compile=True,
+                 passes=(registry.make("gelu_epilogue"),))
+    cands = {c.name: c for c in candidates(model, rec, None, False, "auto", [])}
+    eager = next(c for n, c in cands.items() if n.startswith("torchkiln eager passes"))
+    compiled = next(c for n, c in cands.items() if n.startswith("torchkiln compiled"))
+    eager.make()(torch.randn(2, 8))  # builds the shared runner: the module-level step records the pass
+    assert any(a.startswith("gelu_epilogue") for a in compiled.applied)
+    assert any(a.startswith("gelu_epilogue") for a in applied_for(compiled))
+    assert not any(a.startswith("gelu_epilogue") for a in applied_for(eager))

@@ -83,6 +83,15 @@ def register_graph_only(config_cls: type, order: int, note: str, factory: Callab
     """A pass that only rewrites the captured graph: its module-level step leaves the model as it is."""
     register(config_cls, order)(lambda model, config, ctx: (model, note))
     register_graph(config_cls)(factory)
+    _GRAPH_ONLY.add(config_cls.name)
+
+
+_GRAPH_ONLY: set[str] = set()
+
+
+def graph_only() -> frozenset[str]:
+    """Names of the passes that act only inside a compiled graph (nothing to report for an eager candidate)."""
+    return frozenset(_GRAPH_ONLY)
 
 
 try:  # inductor caches compiled graphs keyed on a custom pass's uuid() only for this class
