@@ -492,3 +492,25 @@ def test_the_allocator_knob_warns_for_inference():
         warnings.simplefilter("always")
         tk.optimize(net().eval(), cpu_allocator="keep")
     assert any("cpu_allocator applies to training" in str(x.message) for x in w)
+
+
+def test_the_reported_timing_leaves_out_compiling_and_warm_up(monkeypatch):
+    import time as _time
+
+    from torchkiln.training import probe
+
+    real, seen = probe.step, set()
+
+    def slow_first(fn, params, args, kwargs, keep=True, cache=None):  # a warm-up call that takes 0.6 s
+        if not keep and id(fn) not in seen:
+            seen.add(id(fn))
+            _time.sleep(0.6)
+        return real(fn, params, args, kwargs, keep=keep, cache=cache)
+
+    monkeypatch.setattr(probe, "step", slow_first)
+    model = net()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sample_input=data()[0],
+                          time_budget=0)
+    rep = fast.kiln_report
+    assert len(seen) >= 2 and rep.first_call_seconds > 1.2  # both candidates warmed up, slowly
+    assert rep.selection_seconds < 0.5, rep.selection_seconds  # the timed rounds of a tiny net only
