@@ -11,6 +11,7 @@ step times of separate processes are indicative only; train_step.py interleaves 
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -20,25 +21,20 @@ import time
 
 from train_step import makers_for, setup, step_args
 
-CONFIGS = {  # name -> (train_step peer, cpu_allocator for torchkiln / whether to set it by hand for stock)
-    "stock, glibc defaults": ("compile+autocast", "default"),
-    "stock, malloc keeps freed memory": ("compile+autocast", "keep"),
-    "torchkiln, cpu_allocator='default'": ("torchkiln malloc-default", "default"),
-    "torchkiln (keeps freed memory)": ("torchkiln", "keep"),
+CONFIGS = {  # name -> train_step peer (its knobs or its malloc setting come with it)
+    "stock, glibc defaults": "compile+autocast",
+    "stock, malloc keeps freed memory": "compile+autocast malloc-keep",
+    "torchkiln, cpu_allocator='default'": "torchkiln malloc-default",
+    "torchkiln (keeps freed memory)": "torchkiln",
 }
 
 
 def child(a, name):
     import torch
 
-    from torchkiln.runtime import allocator
-
-    peer, alloc = CONFIGS[name]
-    a.peers = peer
+    a.peers = CONFIGS[name]
     base, batch = setup(a)
     step = next(iter(makers_for(a, batch, getattr(torch, a.dtype), {}).values()))(base)
-    if peer.startswith("compile") and alloc == "keep":
-        allocator.keep_freed_memory()
     for _ in range(3):
         step()
     ms, faults, sys_s = [], [], []
@@ -57,7 +53,7 @@ def main():
     ap = step_args(0.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--child", help=argparse_hidden())
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         return child(a, a.child)
@@ -72,12 +68,6 @@ def main():
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {r['ms']:.1f} | {r['faults']:,.0f} | {r['sys_s']:.2f} | {r['rss_gib']:.2f} |", flush=True)
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Why: glibc serves every block over 32 MiB (and smaller ones at the heap's top, p
 threshold) with a fresh mmap, and gives it back on free. A CPU training step allocates the same
 large tensors every step (logits, a vocabulary-sized embedding gradient, parameter gradients), so
 each step faults its pages in again, 4 KiB at a time, and the kernel zeroes them. Measured on a
-2-core Zen 4, bert-base bs8 seq128 bf16 (benchmarks/RESULTS.md, "glibc malloc"): torch.compile's
-step took 264,000 minor faults and 0.78 s of kernel time a step (of 3.6 s); torchkiln's 132,000 and
-0.54 s (of 2.9 s). With the two settings below: none, and ~7 ms.
+2-core Zen 4, bert-base bs8 seq128 bf16 (`benchmarks/diag_page_faults.py`; RESULTS.md, eleventh
+session): the stock compiled step took 240,000 minor faults and 0.82 s of kernel time a step (of
+3.6 s); torchkiln's 150,000 and 0.26 s (of 2.4 s). With the two settings below: no faults.
 
 The settings: no mmap for single blocks (M_MMAP_MAX = 0: large blocks come from the heap and go
 back to its free lists) and no trimming below 1 GiB free at the top (M_TRIM_THRESHOLD). torch's

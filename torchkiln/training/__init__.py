@@ -56,9 +56,9 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
             why_not = why_not or "no float32 weight (2+ dims) on one device to split"
             recipe = dataclasses.replace(recipe, master_weights="fp32",
                                          notes=(*recipe.notes, f"split_master_weight_for_bf16: not used: {why_not}"))
-    if recipe.allocator == "keep" and _allocator.why_not():
-        recipe = dataclasses.replace(recipe, allocator="default",
-                                     notes=(*recipe.notes, f"allocator: left as it is: {_allocator.why_not()}"))
+    no_keep = _allocator.why_not() if recipe.allocator == "keep" else None
+    if no_keep:
+        recipe = dataclasses.replace(recipe, allocator="default", notes=(*recipe.notes, f"allocator: left as it is: {no_keep}"))
     if recipe.dtype != str(compute).removeprefix("torch."):
         warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
     if kind == "own step":
