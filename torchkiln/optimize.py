@@ -533,8 +533,36 @@ class KilnModule(OriginalFace):
 
     def _attr(self, name: str, attr):
         if name == "generate" and callable(attr):
+            if _is_causal_lm(self.kiln_original):
+                return self._fast_generate
             return _unoptimized(attr, name)
         return attr
+
+    def _fast_generate(self, *args, **kwargs):
+        """A causal LM's generate() on tk.llm's fast decoder (the forward, which generate would call one
+        token at a time, is what the candidates serve). Built on first use over the original's weights in
+        the served dtype, and again when those weights change (the same version check as a call)."""
+        with self._lock:
+            sig = _signature(self.kiln_original)
+            built = self.__dict__.get("_llm")
+            if built is None or built[1] != sig:
+                from .llm import optimize as llm_optimize
+
+                r = self.kiln_recipe
+                fast = llm_optimize(self.kiln_original, dtype=parse_dtype(r.dtype), device=r.device,
+                                    compile=r.compile)
+                object.__setattr__(self, "_llm", (fast, sig))
+                if built is None:
+                    self.kiln_report.applied.append(f"generate: tk.llm {fast.kiln_report.path} path "
+                                                    f"({fast.kiln_report.dtype}; kiln_llm_report has its report)")
+            fast = self._llm[0]
+        return fast.generate(*args, **kwargs)
+
+    @property
+    def kiln_llm_report(self):
+        """The tk.llm report of generate()'s fast decoder (None until generate() first runs)."""
+        built = self.__dict__.get("_llm")
+        return built[0].kiln_report if built else None
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"
@@ -617,10 +645,12 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         compute = own
     hw = detect()
     target = resolve_device(device if device is not None else model_device(model), hw)
-    if quantize is None and _is_causal_lm(model):
+    if quantize is None and sample_input is None and _is_causal_lm(model):
         from .llm import optimize as llm_optimize
 
-        # a decoder's generate() is what users run; its forward stays the model's own (in dtype)
+        # a decoder's generate() is what users run; its forward stays the model's own (in dtype).
+        # With a sample_input the forward is the workload: it is planned like any model below, and
+        # generate() goes to the same fast decoder (KilnModule._fast_generate).
         return llm_optimize(model, dtype=compute if dtype is not None else own, device=target,
                             compile=knobs.get("graph_mode") is not False)
     if quantize is not None:
@@ -717,6 +747,11 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
 
 
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
+
+
+def _signature(model: nn.Module) -> list:
+    """Each weight's (storage pointer, version): any in-place write or new tensor changes it."""
+    return [(_PTR(t), _VERSION(t)) for t in (*model.parameters(), *model.buffers())]
 
 
 def _slots(model: nn.Module) -> tuple[list[dict], list[str]]:

@@ -287,6 +287,30 @@ def test_tk_optimize_routes_a_decoder_to_the_llm_path():
     assert not eager.kiln_report.compile_s
 
 
+def test_tk_optimize_with_a_sample_plans_the_forward_and_generates_on_the_fast_path():
+    # a sample_input says the forward is the workload: it gets the candidates, the guard and the timing
+    # like any model (it was silently ignored), and generate() still runs the fast decoder
+    model = build("llama", seed=24)
+    ids = prompt(seed=25)
+    fast = tk.optimize(model, sample_input={"input_ids": ids, "use_cache": False}, graph_mode=False, time_budget=0)
+    assert not isinstance(fast.kiln_report, tk.llm.LLMReport) and fast.kiln_report.active != "pending first call"
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False).logits
+        assert rel(fast(input_ids=ids, use_cache=False).logits, ref) < LOGIT_TOL
+    assert fast.kiln_llm_report is None  # built on first use only
+    got = fast.generate(ids, max_new_tokens=5, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=5, **GREEDY))
+    assert fast.kiln_llm_report.path == "fast" and any(a.startswith("generate: tk.llm") for a in fast.kiln_report.applied)
+    # the decoder reads a copy: an in-place change to the original's weights must rebuild it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    again = fast.generate(ids, max_new_tokens=5, **GREEDY)
+    want = model.generate(ids, max_new_tokens=5, **GREEDY)
+    assert not torch.equal(want, got)  # the change does change the greedy tokens
+    assert torch.equal(again, want)
+
+
 @pytest.mark.parametrize("quant,cos,tol", [("int8", 0.999, 2e-2), ("int4", 0.95, 0.3)])
 def test_weight_only_quant_close_to_float(quant, cos, tol):
     model = build("llama", seed=22)
