@@ -226,3 +226,17 @@ def test_demo_model_falls_back_without_transformers(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", real)
     expected = "bert-base" if real("transformers") else "resnet50"
     assert commands._default_demo_model() == expected
+
+
+def test_bench_times_a_causal_lms_forward():
+    # bench times forward calls; a causal LM used to go to tk.llm's path there, whose report has no
+    # served candidate, and bench raised AttributeError (benchmarks/wild_zoo.py found it on OPT)
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                           num_attention_heads=4, word_embed_proj_dim=64)).eval()
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(4))
+    r = bench(model, {"input_ids": ids, "use_cache": False}, peers=["torchkiln"], iters=2, warmup=1, rounds=1,
+              progress=False, graph_mode=False)
+    kiln = r.best_kiln()
+    assert kiln is not None and kiln.note and kiln.rel_err < 1e-4  # a served candidate, checked against eager

@@ -1,0 +1,51 @@
+"""transformers pipelines take the optimized model in place of the user's (#6: the returned model
+behaves like the user's), with a tokenizer built here (no downloads)."""
+
+import numpy as np
+import pytest
+import torch
+
+import torchkiln as tk
+
+T = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXT = "w5 w6 w7 w8 w9"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    wl = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w3"))
+    wl.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return T.PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="w3", pad_token="w0", eos_token="w2",
+                                     bos_token="w1")
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return T.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("with_sample", [False, True])
+def test_text_generation_pipeline_runs_the_fast_decoder(tok, with_sample):
+    model = _llama()
+    want = T.pipeline("text-generation", model=model, tokenizer=tok)(TEXT, max_new_tokens=6, do_sample=False)
+    sample = {"input_ids": tok(TEXT, return_tensors="pt")["input_ids"], "use_cache": False} if with_sample else None
+    fast = tk.optimize(model, graph_mode=False, sample_input=sample, time_budget=0)
+    got = T.pipeline("text-generation", model=fast, tokenizer=tok)(TEXT, max_new_tokens=6, do_sample=False)
+    assert got == want
+    report = fast.kiln_llm_report if with_sample else fast.kiln_report
+    assert report.path == "fast"  # the pipeline's generate() went through tk.llm, not the model's own
+
+
+def test_feature_extraction_pipeline_matches(tok):
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=96, pad_token_id=0)).eval()
+    want = np.array(T.pipeline("feature-extraction", model=bert, tokenizer=tok)(TEXT))
+    fast = tk.optimize(bert, sample_input=dict(tok(TEXT, return_tensors="pt")), time_budget=0)
+    got = np.array(T.pipeline("feature-extraction", model=fast, tokenizer=tok)(TEXT))
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()  # float32: the guard's bound
