@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import operator
@@ -533,15 +534,17 @@ class KilnModule(OriginalFace):
 
     def _attr(self, name: str, attr):
         if name == "generate" and callable(attr):
-            if _is_causal_lm(self.kiln_original):
-                return self._fast_generate
+            # a tk.quantize'd model keeps its own generate: tk.llm quantizes its own decoder (llm.optimize's quant=)
+            if _is_causal_lm(self.kiln_original) and getattr(self.kiln_original, "kiln_quant", None) is None:
+                return functools.partial(self._fast_generate, attr)
             return _unoptimized(attr, name)
         return attr
 
-    def _fast_generate(self, *args, **kwargs):
+    def _fast_generate(self, own, *args, **kwargs):
         """A causal LM's generate() on tk.llm's fast decoder (the forward, which generate would call one
         token at a time, is what the candidates serve). Built on first use over the original's weights in
-        the served dtype, and again when those weights change (the same version check as a call)."""
+        the served dtype, and again when those weights change (the same version check as a call). If it
+        cannot be built, the original's own generate (``own``) runs, as it did before optimize."""
         with self._lock:
             sig = _signature(self.kiln_original)
             built = self.__dict__.get("_llm")
@@ -549,20 +552,28 @@ class KilnModule(OriginalFace):
                 from .llm import optimize as llm_optimize
 
                 r = self.kiln_recipe
-                fast = llm_optimize(self.kiln_original, dtype=parse_dtype(r.dtype), device=r.device,
-                                    compile=r.compile)
+                try:
+                    fast = llm_optimize(self.kiln_original, dtype=parse_dtype(r.dtype), device=r.device,
+                                        compile=r.compile)
+                except Exception as e:  # noqa: BLE001 - never fail where the model's own generate works
+                    why = f"{type(e).__name__}: {first_line(e)}"
+                    self.kiln_report.fallbacks.append(Fallback("generate: tk.llm fast decoder", "the model's own "
+                                                               "generate", why))
+                    fast = None
                 object.__setattr__(self, "_llm", (fast, sig))
-                if built is None:
+                if built is None and fast is not None:
                     self.kiln_report.applied.append(f"generate: tk.llm {fast.kiln_report.path} path "
                                                     f"({fast.kiln_report.dtype}; kiln_llm_report has its report)")
             fast = self._llm[0]
+        if fast is None:
+            return _unoptimized(own, "generate")(*args, **kwargs)
         return fast.generate(*args, **kwargs)
 
     @property
     def kiln_llm_report(self):
         """The tk.llm report of generate()'s fast decoder (None until generate() first runs)."""
         built = self.__dict__.get("_llm")
-        return built[0].kiln_report if built else None
+        return built[0].kiln_report if built and built[0] is not None else None
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"

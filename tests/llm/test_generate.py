@@ -311,6 +311,37 @@ def test_tk_optimize_with_a_sample_plans_the_forward_and_generates_on_the_fast_p
     assert torch.equal(again, want)
 
 
+def test_generate_on_the_forward_path_falls_back_to_the_models_own_when_the_fast_decoder_fails(monkeypatch):
+    import torchkiln._log
+    import torchkiln.llm
+
+    model = build("llama", seed=26)
+    ids = prompt(seed=27)
+    fast = tk.optimize(model, sample_input={"input_ids": ids, "use_cache": False}, graph_mode=False, time_budget=0)
+
+    def broken(*a, **k):
+        raise RuntimeError("no decoder for this one")
+    monkeypatch.setattr(torchkiln.llm, "optimize", broken)
+    monkeypatch.setattr(torchkiln._log, "_warned", set())  # warn_once: this test's warning, whatever ran before
+    with pytest.warns(UserWarning, match="unoptimized"):
+        got = fast.generate(ids, max_new_tokens=4, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=4, **GREEDY))
+    assert any("no decoder for this one" in f.reason for f in fast.kiln_report.fallbacks)
+    assert fast.kiln_llm_report is None
+
+
+def test_a_weight_only_quantized_causal_lm_keeps_its_own_generate():
+    # tk.llm would have to re-read quantized weights (its own quant= does that): the model's generate runs
+    model = build("llama", seed=28)
+    ids = prompt(seed=29)
+    q = tk.optimize(model, quantize="int8-weight-only", sample_input={"input_ids": ids, "use_cache": False},
+                    graph_mode=False, time_budget=0)
+    got = q.generate(ids, max_new_tokens=4, **GREEDY)
+    assert got.shape == (1, ids.shape[1] + 4) and torch.equal(got[:, :ids.shape[1]], ids)
+    assert q.kiln_llm_report is None
+    assert not any(f.step.startswith("generate") for f in q.kiln_report.fallbacks)  # not even attempted
+
+
 @pytest.mark.parametrize("quant,cos,tol", [("int8", 0.999, 2e-2), ("int4", 0.95, 0.3)])
 def test_weight_only_quant_close_to_float(quant, cos, tol):
     model = build("llama", seed=22)
