@@ -367,3 +367,24 @@ def test_key_padding_mask_on_cuda(dtype, case):
     compiled = torch.compile(lambda *a: attention(*a), fullgraph=True)
     torch.testing.assert_close(compiled(*dev, mask.cuda(), False, None, False).double().cpu(), ref,
                                rtol=tol, atol=tol)
+
+
+class _Attend(torch.nn.Module):
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x)
+
+
+@pytest.mark.parametrize("attends", [False, True])
+def test_runner_keeps_the_router_only_for_models_that_attend(attends):
+    # an eager candidate runs every op under the router's mode; without attention that is pure cost
+    from torchkiln.recipe import Recipe
+    from torchkiln.runner import Runner
+
+    model = _Attend() if attends else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(1, 2, 16, 8)
+    runner = Runner(model, Recipe(attention="auto"))
+    runner.calibrate((x,), {})
+    assert (runner.router is not None) == attends
+    if attends:
+        assert runner.router.seen == 1
+    torch.testing.assert_close(runner(x), model(x), rtol=1e-5, atol=1e-6)  # the same answer either way

@@ -229,11 +229,13 @@ class SDPARouter(TorchFunctionMode):
         self.choices: dict[tuple, str] = {}  # key -> "sdpa" | "math" | "math-bf16"
         self.timings: dict[tuple, dict[str, float]] = {}  # key -> {form: seconds}
         self.calibrating = False
+        self.seen = 0  # attention calls met (Runner.calibrate drops a router that met none)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
+        self.seen += 1
         b = bind_sdpa(args, kwargs)
         tensors = [b[n] for n in ("query", "key", "value", "attn_mask") if b[n] is not None]
         # The ops have no backward.
