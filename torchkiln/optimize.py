@@ -87,6 +87,7 @@ class KilnModule(OriginalFace):
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
         s(self, "training", False)  # it serves inference (nn.Module.__init__ said True)
+        s(self, "_llm", None)  # generate()'s (tk.llm copy, or None where it failed; the weight state it read)
         self._reset(choice=None)
 
     # ----------------------------------------------------------------- state
@@ -124,6 +125,7 @@ class KilnModule(OriginalFace):
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", state["sample_ref"])
         s(self, "training", False)
+        s(self, "_llm", None)
         choice = state["choice"]
         self._reset(choice=choice if choice != "pending first call" else None)
 
@@ -194,18 +196,19 @@ class KilnModule(OriginalFace):
     def _stale(self) -> bool:
         # map() over C getters: 31 us for bert-base's 201 tensors on a 2-core Zen 4 (a list
         # comprehension of the same checks took 45 us; version counters alone, 12 us).
-        if self._versions is None:
-            return False
-        now = list(map(dict.get, *self._weights))  # the tensor each slot holds now
-        return list(map(_VERSION, now)) != self._versions[0] or list(map(_PTR, now)) != self._versions[1]
+        return self._versions is not None and self._weight_state() != self._versions
+
+    def _weight_state(self) -> tuple[list, list]:
+        """(versions, storage pointers) of the tensor each weight slot holds now."""
+        now = list(map(dict.get, *self._weights))
+        return list(map(_VERSION, now)), list(map(_PTR, now))
 
     def _remember_weights(self) -> None:
         if self._snap is not None and self._snap.mutated:  # the model's own state (a counter): not weights
             own = {id(t) for t in self._snap.mutated}
             kept = [(d, k) for d, k in zip(*self._weights, strict=True) if id(d.get(k)) not in own]
             object.__setattr__(self, "_weights", ([d for d, _ in kept], [k for _, k in kept]))
-        now = list(map(dict.get, *self._weights))
-        object.__setattr__(self, "_versions", (list(map(_VERSION, now)), list(map(_PTR, now))))
+        object.__setattr__(self, "_versions", self._weight_state())
 
     # ------------------------------------------------------------- reference
     def _reference(self, args, kwargs):
@@ -546,8 +549,8 @@ class KilnModule(OriginalFace):
         the served dtype, and again when those weights change (the same version check as a call). If it
         cannot be built, the original's own generate (``own``) runs, as it did before optimize."""
         with self._lock:
-            sig = _signature(self.kiln_original)
-            built = self.__dict__.get("_llm")
+            sig = self._weight_state()
+            built = self._llm
             if built is None or built[1] != sig:
                 from .llm import optimize as llm_optimize
 
@@ -572,8 +575,7 @@ class KilnModule(OriginalFace):
     @property
     def kiln_llm_report(self):
         """The tk.llm report of generate()'s fast decoder (None until generate() first runs)."""
-        built = self.__dict__.get("_llm")
-        return built[0].kiln_report if built and built[0] is not None else None
+        return self._llm[0].kiln_report if self._llm and self._llm[0] is not None else None
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"
@@ -758,11 +760,6 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
 
 
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
-
-
-def _signature(model: nn.Module) -> list:
-    """Each weight's (storage pointer, version): any in-place write or new tensor changes it."""
-    return [(_PTR(t), _VERSION(t)) for t in (*model.parameters(), *model.buffers())]
 
 
 def _slots(model: nn.Module) -> tuple[list[dict], list[str]]:
