@@ -6,7 +6,9 @@ Peers per shape and row count, interleaved over rounds (medians): dense F.linear
 decode step's form: one row as a multiply-and-sum, compiled into a reduction; more rows, F.linear); the int8
 expression ``F.linear(x, q.to(dtype)) * scale`` compiled; at one row, the int8 reduction
 ``(x * q).sum(-1) * scale`` compiled (RowLinear's form on int8 weights); torch's ``_weight_int8pack_mm``; and
-torch's ``_weight_int4pack_mm_for_cpu`` (bf16 only, where this torch has it). GB/s counts the
+torch's ``_weight_int4pack_mm_for_cpu`` (bf16 only, where this torch has it); and torchkiln's own CPU
+GEMV (``torchkiln::cpu_gemv``, kernels/cpu_gemv.cpp) on the dense and the int8 weights, where it
+builds. GB/s counts the
 weight bytes read once per call. Each peer cycles through copies of its weights (>= 128 MB in all),
 so they come from DRAM, not the L3 cache.
 """
@@ -20,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from torchkiln.kernels import cpu_gemv
 from torchkiln.llm.model import RowLinear, linear_of
 from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
@@ -44,7 +47,8 @@ def main() -> int:
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 256)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    why = cpu_gemv.load()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; torchkiln's kernel: {why or 'built'}")
     print("| shape (N x K) | dtype | rows | peer | us/call | x dense | weight GB/s |")
     print("|---|---|---|---|---|---|---|")
     for dname in a.dtypes.split(","):
@@ -72,6 +76,9 @@ def main() -> int:
                     q4s = [Int4Linear(lin, 128, tinygemm=True) for _ in range(count)]
                     peers["int4 _weight_int4pack_mm_for_cpu"] = (lambda x, m: m(x), [(x, m) for m in q4s],
                                                                  n * k // 2 + 4 * n * (k // 128))
+                if why is None:
+                    peers["kernel"] = (cpu_gemv.gemv, peers["dense"][1], peers["dense"][2])
+                    peers["int8 kernel"] = (cpu_gemv.gemv, peers["int8 _weight_int8pack_mm"][1], n * k)
                 ref = F.linear(x.float(), lin.weight.float())
                 for p, (fn, copies, _) in peers.items():
                     err = float((fn(*copies[0]).float() - ref).norm() / ref.norm())

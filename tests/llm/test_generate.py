@@ -473,35 +473,95 @@ def test_row_projections_swap_contiguous_float_linears_only():
     assert all(type(layer.down) is RowLinear for layer in decoder.layers)
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_cpu_decode_takes_row_linear_only_where_measured_faster(monkeypatch, pays):
+@pytest.mark.parametrize("form", ["reduction", "kernel", "F.linear"])
+def test_cpu_decode_takes_the_form_measured_fastest(monkeypatch, form):
+    from torchkiln.kernels import cpu_gemv
     from torchkiln.llm import model as model_mod
-    from torchkiln.llm.model import RowLinear
+    from torchkiln.llm.model import FORMS
 
+    if form == "kernel" and cpu_gemv.load():
+        pytest.skip(f"torchkiln's CPU GEMV is not built here: {cpu_gemv.load()}")
     calls = []
 
     def measured(weights):
         calls.append(len(weights))
-        return (pays, 20.0, 10.0) if pays else (pays, 10.0, 20.0)
+        times = {"F.linear": 20.0, "reduction": 19.0, "kernel": 19.5}
+        times[form] = 10.0 if form != "F.linear" else 18.5  # the others within 10%: no swap
+        return times, None
 
-    monkeypatch.setattr(model_mod, "reduction_pays", measured)
+    monkeypatch.setattr(model_mod, "row_forms", measured)
     model = build("llama", seed=28)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
     decoder = fast._kiln_runner.decoder
     assert calls == [len(decoder.layers)]  # every layer's up projection, timed once
-    assert (type(decoder.layers[0].qkv) is RowLinear) == pays and (type(decoder.head) is RowLinear) == pays
-    assert fast.kiln_report.cpu_gemv.startswith("reduction" if pays else "F.linear")
+    want = FORMS.get(form, torch.nn.Linear)
+    assert type(decoder.layers[0].qkv) is want and type(decoder.head) is want
+    assert fast.kiln_report.cpu_gemv.startswith(form)
     assert "CPU decode projections" in str(fast.kiln_report)
     ids = prompt(seed=5)
     assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
 
 
-def test_reduction_pays_times_both_forms():
-    from torchkiln.llm.model import reduction_pays
+def test_row_forms_times_every_form_built_here():
+    from torchkiln.kernels import cpu_gemv
+    from torchkiln.llm.model import row_forms
 
-    use, t_lin, t_red = reduction_pays([torch.randn(64, 32) for _ in range(3)])
-    assert isinstance(use, bool) and t_lin > 0 and t_red > 0
-    assert use == (t_red < 0.9 * t_lin)
+    times, why = row_forms([torch.randn(64, 32) for _ in range(3)])
+    assert set(times) == {"F.linear", "reduction"} | ({"kernel"} if cpu_gemv.load() is None else set())
+    assert all(t > 0 for t in times.values())
+    assert (why is None) == ("kernel" in times)
+
+
+def test_pick_takes_only_a_clear_win():
+    from torchkiln.llm.model import pick
+
+    assert pick({"F.linear": 10.0, "reduction": 9.5, "kernel": 8.0}, "F.linear") == "kernel"
+    assert pick({"F.linear": 10.0, "reduction": 9.5}, "F.linear") == "F.linear"  # 5%: noise on 2 cores
+    assert pick({"torch": 10.0, "kernel": 12.0}, "torch") == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_takes_the_cpu_kernel_where_measured_faster(monkeypatch, dtype):
+    """With the kernel measured faster, every Int8Linear (the head too where it is int8) serves
+    one-row calls through it; the logits match Int8Linear's own form on the same int8 weights."""
+    from torchkiln.kernels import cpu_gemv
+    from torchkiln.llm import quant as quant_mod
+    from torchkiln.llm.api import _fast_logits
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    if cpu_gemv.load():
+        pytest.skip(f"torchkiln's CPU GEMV is not built here: {cpu_gemv.load()}")
+    monkeypatch.setattr(quant_mod, "time_forms", lambda forms, args: {"torch": 30.0, "kernel": 10.0})
+    model = build("llama", seed=29).to(dtype)
+    fast = tk.llm.optimize(model, dtype=dtype, quant="int8", compile=True)
+    runner = fast._kiln_runner
+    mods = [m for m in runner.decoder.modules() if isinstance(m, Int8Linear)]
+    assert mods and all(m.row_kernel for m in mods)
+    assert "int8 kernel" in fast.kiln_report.cpu_gemv
+    ids = prompt(seed=6, length=9)
+    with profile_ops() as names:
+        got = _fast_logits(runner, ids, 7)
+    assert "torchkiln::cpu_gemv" in names
+    for m in mods:
+        m.row_kernel = False
+    ref = _fast_logits(runner, ids, 7)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert max(rel(g.float(), r.float()) for g, r in zip(got[1:], ref[1:], strict=True)) < tol
+
+
+class profile_ops:
+    """The op names run inside the block (torch.profiler)."""
+
+    def __enter__(self):
+        from torch.profiler import profile
+
+        self.prof, self.names = profile(), set()
+        self.prof.__enter__()
+        return self.names
+
+    def __exit__(self, *exc):
+        self.prof.__exit__(*exc)
+        self.names.update(e.key for e in self.prof.key_averages())
 
 
 def test_gemv_routing_is_decided_by_device_and_rows():

@@ -22,7 +22,7 @@ from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections
-from .quant import gptq_codes
+from .quant import cpu_int8_rows, gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -57,7 +57,8 @@ class LLMReport:
     speculated: int = 0                  # prompt-lookup steps run (generate(prompt_lookup_num_tokens=k))
     accepted: int = 0                    # drafted tokens they kept
     fallbacks: list = dataclasses.field(default_factory=list)
-    cpu_gemv: str | None = None          # CPU compiled decode: "reduction" (RowLinear) or "F.linear", measured
+    cpu_gemv: str | None = None          # CPU compiled decode's one-row form, measured: "F.linear", "reduction"
+                                         # (RowLinear) or "kernel" (KernelLinear); int8: "torch" or "kernel"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,6 +182,10 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
         codes = gptq_codes(work, decoder, quant, calib, target) if calib else None
         report.quant_rounding = "gptq" if calib else "nearest"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
+        if target.type == "cpu" and compile and quant == "int8":
+            line = cpu_int8_rows(decoder)
+            report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, line]))
+            report.quant_layers += bool(line and line.endswith("head int8"))
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner
 

@@ -5,19 +5,23 @@ rounds (one call of each per round, medians reported):
 - ``hf-eager``: the model's own generate (dynamic cache), the way most users run it;
 - ``hf-static``: generate with ``cache_implementation="static"`` (transformers compiles the
   forward itself then, where it decides to);
-- ``torchkiln`` (and ``torchkiln-int8`` / ``-int4`` with --quant).
+- ``torchkiln`` (and ``torchkiln-int8`` / ``-int4`` with --quant);
+- ``torchkiln-torchgemv`` (and its --quant forms): tk.llm without torchkiln's own CPU GEMV
+  (kernels/cpu_gemv.cpp), what that kernel buys.
 
 Per peer: prefill latency (generate of one token), per-token decode latency ((T(n) - T(1)) /
 (n - 1)), tokens/s (n / T(n), what users see), the weight bandwidth that decode rate implies
-(weight bytes read per token x decode tokens/s) and its share of the device's copy bandwidth
+(weight bytes read per token x decode tokens/s; torchkiln's bytes as served, ``decoder_bytes``) and its share of the device's copy bandwidth
 measured in the same run, and the first call's time (compile included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
+import unittest.mock
 
 import torch
 
@@ -72,6 +76,20 @@ def weight_bytes(model, quant: str | None) -> int:
     return total
 
 
+def decoder_bytes(decoder) -> int:
+    """Bytes of weights a torchkiln decode step reads, as served: each projection and the head in
+    its own format (int8 codes and scales, int4 packs and tables, float weights), so a head kept in
+    float counts at its size."""
+    total = 0
+    for m in decoder.modules():
+        if isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif hasattr(m, "packed") or (hasattr(m, "scales") and hasattr(m, "weight")):  # Int4Linear / Int8Linear
+            total += sum(b.numel() * b.element_size() for name, b in m.named_buffers(recurse=False)
+                         if b is not None and name != "bias")
+    return total
+
+
 @dataclasses.dataclass
 class Row:
     peer: str
@@ -81,6 +99,19 @@ class Row:
     tok_s: float
     gbps: float
     share: float
+
+
+@contextlib.contextmanager
+def _without_own_kernels(on: bool):
+    """For the ``torchkiln-torchgemv`` peers: tk.llm built as if torchkiln's CPU GEMV could not be
+    built here, so its decode uses torch's kernels only (what torchkiln's own kernel buys)."""
+    from ..kernels import cpu_gemv
+
+    if not on:
+        yield
+        return
+    with unittest.mock.patch.object(cpu_gemv, "load", lambda: "left out for this peer"):
+        yield
 
 
 def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), batch: int = 1,
@@ -108,12 +139,16 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
     if "hf-static" in peers:
         add("hf-static", lambda n: model.generate(ids, max_new_tokens=n, cache_implementation="static", **kw), base)
     fast = {}
-    for q in (None, *quant) if "torchkiln" in peers else ():
-        peer = "torchkiln" + (f"-{q}" if q else "")
-        t = time.perf_counter()
-        fast[peer] = tk.llm.optimize(model, dtype=dtype, quant=q, device=device, max_seq_len=None)
-        first[peer] = time.perf_counter() - t  # setup; the first generate is added below
-        add(peer, (lambda m: lambda n: m.generate(ids, max_new_tokens=n, **kw))(fast[peer]), weight_bytes(model, q))
+    for base_peer in ("torchkiln", "torchkiln-torchgemv"):
+        for q in (None, *quant) if base_peer in peers else ():
+            peer = base_peer + (f"-{q}" if q else "")
+            t = time.perf_counter()
+            with _without_own_kernels(base_peer != "torchkiln"):
+                fast[peer] = tk.llm.optimize(model, dtype=dtype, quant=q, device=device, max_seq_len=None)
+            first[peer] = time.perf_counter() - t  # setup; the first generate is added below
+            runner = getattr(fast[peer], "_kiln_runner", None)  # None: the stock path
+            nbytes = decoder_bytes(runner.decoder) if runner is not None else weight_bytes(model, q)
+            add(peer, (lambda m: lambda n: m.generate(ids, max_new_tokens=n, **kw))(fast[peer]), nbytes)
     if lookup:
         add("hf-eager+lookup", lambda n: model.generate(ids, max_new_tokens=n, prompt_lookup_num_tokens=lookup, **kw),
             base)

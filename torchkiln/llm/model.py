@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import itertools
+import statistics
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..timing import median_seconds
+from ..kernels import cpu_gemv
+from ..timing import interleaved
 from .spec import DecoderSpec, Parts
 
 _fresh_ids = itertools.count()
@@ -113,7 +115,7 @@ class RowLinear(nn.Linear):
     2-core Zen 4 torch's GEMV (oneDNN/MKL through F.linear) read weights at 10-15 GB/s and
     inductor's reduction at 16-26 GB/s, in float32 and bf16 alike; on a 16-core Xeon the
     reduction was 0.5-1.1x F.linear (llama-350m's decode shapes, benchmarks/llm_gemv_cpu.py;
-    RESULTS.md), so ``reduction_pays`` decides per machine. More rows, or eager (the product
+    RESULTS.md), so ``cpu_projections`` decides per machine. More rows, or eager (the product
     would be materialised): F.linear. The sum runs in float32, as a GEMM accumulates. Still an
     nn.Linear: quantization replaces it."""
 
@@ -136,41 +138,81 @@ def fresh(fn):
     return types.FunctionType(code, fn.__globals__, None, fn.__defaults__, fn.__closure__)
 
 
-def reduction_pays(weights: list[torch.Tensor]) -> tuple[bool, float, float]:
-    """(use RowLinear, us per F.linear, us per reduction): both compiled, one row, cycling over
-    ``weights`` (same shape; the layers' widest projection) so they come from memory as in
-    decode. A 10% margin: a swap is only worth it for a clear win."""
-    x = torch.randn(1, 1, weights[0].shape[1], dtype=weights[0].dtype)
-    lin = torch.compile(fresh(lambda x, w: F.linear(x, w)), dynamic=False)
-    red = torch.compile(fresh(lambda x, w: _row_product(x, w, None)), dynamic=False)
-    times = []
+class KernelLinear(nn.Linear):
+    """An nn.Linear whose one-row product (batch-1 decode) is torchkiln's own CPU GEMV
+    (kernels/cpu_gemv.cpp), an op the compiler calls as it is, eager or compiled. Why: on a 2-core
+    Zen 3 it read llama-350m's decode weights at 28-32 GB/s in float32 and 19-28 GB/s in bf16,
+    against 14-19 for F.linear and 12-19 for RowLinear's reduction (benchmarks/llm_gemv_cpu.py;
+    RESULTS.md, thirteenth session). ``cpu_projections`` takes it only where it measures faster
+    on this machine. More rows: F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() != 1:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.torchkiln.cpu_gemv(x, self.weight, None)
+        return y if self.bias is None else y + self.bias
+
+
+FORMS = {"reduction": RowLinear, "kernel": KernelLinear}  # one-row forms besides F.linear
+
+
+def time_forms(forms: dict, args: list[tuple], rounds: int = 5) -> dict[str, float]:
+    """us per call of each callable in ``forms`` over ``args`` (one tuple per layer, cycled so the
+    weights come from memory as in decode), interleaved over ``rounds``; medians."""
     with torch.no_grad():
-        for fn in (lin, red):
-            times.append(median_seconds(lambda fn=fn: [fn(x, w) for w in weights], warmup=2, iters=5) / len(weights))
-    return times[1] < 0.9 * times[0], times[0] * 1e6, times[1] * 1e6
+        for fn in forms.values():  # warm-up: compiles
+            [fn(*a) for a in args[:2]]
+        calls = {name: (lambda fn=fn: [fn(*a) for a in args]) for name, fn in forms.items()}
+        times = interleaved(calls, torch.device("cpu"), 0.0, min_rounds=rounds, max_rounds=rounds, prune=1e9)
+    return {name: statistics.median(t) / len(args) * 1e6 for name, t in times.items()}
+
+
+def pick(times: dict[str, float], base: str) -> str:
+    """The fastest form, if it beats ``base`` by 10% (a swap is only worth a clear win), else ``base``."""
+    best = min(times, key=times.get)
+    return best if best != base and times[best] < 0.9 * times[base] else base
+
+
+def row_forms(weights: list[torch.Tensor]) -> tuple[dict[str, float], str | None]:
+    """us per one-row call of F.linear, RowLinear's reduction and (where it builds) the CPU
+    kernel, all compiled, on ``weights`` (same shape: the layers' widest projection); and why the
+    kernel is not among them, if it is not."""
+    x = torch.randn(1, 1, weights[0].shape[1], dtype=weights[0].dtype)
+    forms = {"F.linear": torch.compile(fresh(lambda x, w: F.linear(x, w)), dynamic=False),
+             "reduction": torch.compile(fresh(lambda x, w: _row_product(x, w, None)), dynamic=False)}
+    why = cpu_gemv.load() or (None if cpu_gemv.fits(x.dtype, weights[0]) else f"no {x.dtype} form")
+    if why is None:
+        forms["kernel"] = torch.compile(fresh(lambda x, w: cpu_gemv.gemv(x, w)), dynamic=False)
+    return time_forms(forms, [(x, w) for w in weights]), why
+
+
+def describe(form: str, times: dict[str, float], why: str | None) -> str:
+    line = f"{form} (" + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()) + ")"
+    return line + (f"; kernel not used: {why}" if why else "")
 
 
 def cpu_projections(decoder: nn.Module) -> str | None:
-    """The CPU's compiled decode: RowLinear projections where ``reduction_pays`` measures them
-    faster here. Returns the report's line (None: no float projection to measure)."""
+    """The CPU's compiled decode: the one-row form of the dense projections that ``row_forms``
+    measures fastest here. Returns the report's line (None: no float projection to measure)."""
     ups = [layer.up.weight for layer in decoder.layers if layer.up.weight.is_contiguous()]
     if not ups or not ups[0].is_floating_point():
         return None
-    use, t_lin, t_red = reduction_pays(ups)
-    if use:
-        row_projections(decoder)
-    return f"{'reduction' if use else 'F.linear'} (F.linear {t_lin:.1f} us, reduction {t_red:.1f} us)"
+    times, why = row_forms(ups)
+    form = pick(times, "F.linear")
+    if form in FORMS:
+        row_projections(decoder, FORMS[form])
+    return describe(form, times, why)
 
 
-def row_projections(decoder: nn.Module) -> int:
+def row_projections(decoder: nn.Module, cls: type = RowLinear) -> int:
     """Make every dense float Linear of the decoder (layers and head) with a contiguous weight a
-    RowLinear; returns how many changed. Same tensors, no copy."""
+    ``cls`` (RowLinear or KernelLinear); returns how many changed. Same tensors, no copy."""
     done = 0
     for parent in [decoder, *decoder.layers]:
         for name, m in list(parent.named_children()):
             # a transposed view (GPT-2's Conv1D weights) would be reduced along its strided axis
             if type(m) is nn.Linear and m.weight.is_floating_point() and m.weight.is_contiguous():
-                setattr(parent, name, linear_of(m.weight, m.bias, RowLinear))
+                setattr(parent, name, linear_of(m.weight, m.bias, cls))
                 done += 1
     return done
 

@@ -9,8 +9,10 @@ import importlib.util
 import torch
 from torch import nn
 
+from ..kernels import cpu_gemv
 from ..quantization import gemv, gptq
 from ..quantization.weight_only import Int4Linear, Int8Linear, cpu_kernels
+from .model import describe, fresh, pick, time_forms
 
 # int4 kernel. "auto": on CUDA in bf16, tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm)
 # called on plain buffers, for decode and prefill alike; elsewhere Int4Linear's own layout (the Triton
@@ -88,3 +90,30 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
                 setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine))
             done += 1
     return done
+
+
+def cpu_int8_rows(decoder: nn.Module) -> str | None:
+    """The CPU's compiled int8 decode: one-row products through torchkiln's CPU GEMV, for every
+    Int8Linear of ``decoder``, where it measures faster here than Int8Linear's own form (torch's
+    ``_weight_int8pack_mm`` in bf16, the dequantizing expression in float32; both compiled) on
+    the layers' up projections. Returns the report's line (None: no int8 layer)."""
+    ups = [layer.up for layer in decoder.layers if isinstance(layer.up, Int8Linear)]
+    if not ups:
+        return None
+    x = torch.randn(1, 1, ups[0].in_features, dtype=ups[0].scales.dtype)
+    own = ups[0].cpu_kernel
+    forms = {"torch": torch.compile(fresh(lambda x, q, s: Int8Linear.product(x, q, s, own)), dynamic=False)}
+    why = cpu_gemv.load() or (None if cpu_gemv.fits(x.dtype, ups[0].weight) else f"no {x.dtype} form")
+    if why is None:
+        forms["kernel"] = torch.compile(fresh(lambda x, q, s: cpu_gemv.gemv(x, q, s)), dynamic=False)
+    times = time_forms(forms, [(x, m.weight, m.scales) for m in ups])
+    form = pick(times, "torch")
+    head = decoder.head
+    if form == "kernel" and not isinstance(head, Int8Linear) and cpu_gemv.fits(x.dtype, head.weight):
+        # quantize()'s rule (the head in int8 where a kernel serves it) now that one does: in
+        # float32 the head was a quarter of llama-125m's int8 decode bytes at 4x the size
+        decoder.head = Int8Linear(head)
+    for m in decoder.modules():
+        if isinstance(m, Int8Linear):
+            m.row_kernel = form == "kernel"
+    return "int8 " + describe(form, times, why) + ("; head int8" if decoder.head is not head else "")

@@ -68,17 +68,27 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q.to(linear.weight.device))
         self.register_buffer("scales", scales.to(linear.weight.device, linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        # one-row calls through torchkiln's CPU GEMV (kernels/cpu_gemv.cpp); set by whoever measured
+        # it faster here (the LLM path's compiled CPU decode: llm/quant.py cpu_int8_rows)
+        self.row_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel and gemv.usable(x, self.in_features):
+        if self.row_kernel and x.shape[:-1].numel() == 1:
+            out = torch.ops.torchkiln.cpu_gemv(x, self.weight, self.scales)
+        elif self.kernel and gemv.usable(x, self.in_features):
             out = gemv.int8_linear(x, self.weight, self.scales)
-        elif self.cpu_kernel and x.dtype == self.scales.dtype:
-            rows = x.reshape(-1, self.in_features)
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
-            out = out.view(*x.shape[:-1], self.weight.shape[0])
         else:
-            out = F.linear(x, self.weight.to(x.dtype)) * self.scales
+            out = self.product(x, self.weight, self.scales, self.cpu_kernel)
         return out + self.bias if self.bias is not None else out
+
+    @staticmethod
+    def product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, cpu_kernel: bool) -> torch.Tensor:
+        """``(x @ weight.T) * scales`` with torch's own ops: its CPU int8 kernel where it serves, else
+        the weight dequantized inside the expression."""
+        if cpu_kernel and x.dtype == scales.dtype:
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, weight.shape[1]), weight, scales)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight.to(x.dtype)) * scales
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, per-channel scales"

@@ -1,0 +1,121 @@
+"""torchkiln::cpu_gemv (kernels/cpu_gemv.cpp) against float64 products, inside torch.compile, its
+error messages, and how it is built (and not built)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from torchkiln.kernels import cpu_gemv
+
+here = pytest.mark.skipif(cpu_gemv._why_not_here() is not None, reason=f"{cpu_gemv._why_not_here()}")
+
+
+@pytest.fixture(scope="module")
+def op():
+    why = cpu_gemv.load()
+    assert why is None, why  # on an x86 CPU with AVX2 and a compiler (CI), it must build
+    return cpu_gemv.gemv
+
+
+def operands(n, k, wdtype, xdtype, lead=(1,), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g).to(xdtype)
+    if wdtype == torch.int8:
+        w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = (torch.rand(n, generator=g) / 100).to(xdtype)
+    else:
+        w, s = torch.randn(n, k, generator=g).to(wdtype), None
+    return x, w, s
+
+
+def reference(x, w, s):
+    """The same (already rounded) values multiplied in float64."""
+    y = x.double() @ w.double().t()
+    return y * s.double() if s is not None else y
+
+
+@here
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,lead", [(13, 37, (1,)), (64, 1024, (1, 1)), (1000, 300, (1,)), (24, 40, (3,))])
+def test_matches_a_float64_product(op, wdtype, xdtype, n, k, lead):
+    """Odd widths (the scalar tail), odd row counts (the last block), leading dims, several rows of x.
+    The output is in x's dtype: float32 within accumulation error, bf16 within its rounding (2^-8)."""
+    x, w, s = operands(n, k, wdtype, xdtype, lead)
+    y = op(x, w, s)
+    ref = reference(x, w, s)
+    assert y.dtype == xdtype and y.shape == (*lead, n)
+    rtol = 1e-5 if xdtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=1e-5 * ref.abs().max().item())
+
+
+@here
+def test_compiled_calls_the_op_and_gives_the_same_values(op):
+    x, w, s = operands(40, 96, torch.int8, torch.bfloat16)
+    compiled = torch.compile(lambda x, w, s: op(x, w, s) * 2, fullgraph=True)
+    with profile() as prof:
+        got = compiled(x, w, s)
+    assert "torchkiln::cpu_gemv" in {e.key for e in prof.key_averages()}
+    assert torch.equal(got, op(x, w, s) * 2)
+
+
+@here
+@pytest.mark.parametrize("args,message", [
+    (lambda: (torch.randn(1, 8), torch.randn(8, 4).t(), None), "contiguous 2-D"),
+    (lambda: (torch.randn(1, 5), torch.randn(3, 4), None), "last dim must be 4"),
+    (lambda: (torch.randn(1, 4).half(), torch.randn(3, 4), None), "float32 or bfloat16"),
+    (lambda: (torch.randn(1, 4), torch.randn(3, 4).double(), None), "float32, bfloat16 or int8"),
+    (lambda: (torch.randn(1, 4), torch.ones(3, 4, dtype=torch.int8), None), "int8 weights need scale"),
+    (lambda: (torch.randn(1, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(2)), "scale must hold 3"),
+])
+def test_bad_operands_name_what_is_wrong(op, args, message):
+    with pytest.raises(RuntimeError, match=message):
+        op(*args())
+
+
+def test_fits_only_what_the_op_takes():
+    w = torch.randn(8, 4)
+    assert cpu_gemv.fits(torch.float32, w) and cpu_gemv.fits(torch.bfloat16, w.bfloat16())
+    assert not cpu_gemv.fits(torch.float16, w)
+    assert not cpu_gemv.fits(torch.float32, w.t())
+    assert not cpu_gemv.fits(torch.float32, w.double())
+
+
+def test_no_compiler_or_another_isa_is_a_reason_not_an_error(monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_gemv.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_gemv.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "no C++ compiler" in cpu_gemv.load.__wrapped__()
+    monkeypatch.setattr(cpu_gemv.platform, "machine", lambda: "aarch64")
+    assert "x86-64 only" in cpu_gemv.load.__wrapped__()
+    monkeypatch.setattr(cpu_gemv.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_gemv.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert "needs AVX2" in cpu_gemv.load.__wrapped__()
+
+
+@here
+def test_a_failed_build_is_a_reason_and_leaves_no_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_gemv, "_command", lambda cxx, out: [cxx, "-x", "c++", "-c", "/dev/null", "-DX=(",
+                                                                "-o", str(out), "--no-such-flag"])
+    why = cpu_gemv.load.__wrapped__()
+    assert why.startswith("build failed: compiling cpu_gemv.cpp failed")
+    assert not any((tmp_path / "torchkiln" / "kernels").iterdir())  # no half-written library left
+
+
+@here
+def test_the_build_is_cached_by_source_and_torch(monkeypatch, tmp_path):
+    """One compile per source, torch and compiler; the second call finds the file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(cpu_gemv.subprocess, "run", lambda *a, **k: runs.append(a) or real(*a, **k))
+    first = cpu_gemv._build()
+    assert first.parent == tmp_path / "torchkiln" / "kernels" and first.stat().st_size > 0
+    assert cpu_gemv._build() == first and len(runs) == 1
+    monkeypatch.setattr(cpu_gemv.torch, "__version__", "0.0.0-other")
+    assert cpu_gemv._build() != first and len(runs) == 2

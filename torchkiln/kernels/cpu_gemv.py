@@ -1,0 +1,118 @@
+"""``torchkiln::cpu_gemv``: batch-1 projections on x86 CPUs (float32, bfloat16 and int8 weights),
+an op written in C++ (cpu_gemv.cpp says why) and built here on first use.
+
+The build needs what torch.compile needs on a CPU anyway: a C++ compiler (``$CXX``, else ``c++``)
+and torch's headers. It takes about 10 s on 2 cores, once per machine and torch version: the
+library is cached under ``$XDG_CACHE_HOME/torchkiln/kernels`` (``~/.cache/...``), keyed by the
+source, torch's version and the compiler. Where it cannot be built (another ISA, no AVX2, no
+compiler, a compile error), ``load()`` says why and callers keep torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+X_DTYPES = (torch.float32, torch.bfloat16)
+W_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_lock = threading.Lock()
+build_seconds: float | None = None  # this process's build time (None: loaded from the cache, or not built)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchkiln" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    include = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [arg for p in cpp_extension.library_paths() for arg in (f"-L{p}", f"-Wl,-rpath,{p}")]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline OpenMP; the libgomp already loaded by torch serves it
+    return [cxx, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *include, str(SOURCE), "-o", str(out), *libs,
+            "-lc10", "-ltorch_cpu"]
+
+
+def _why_not_here() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"x86-64 only (this machine: {platform.machine()})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"needs AVX2 and FMA (this CPU's ATen capability: {capability})"
+    if _compiler() is None:
+        return f"no C++ compiler found ({os.environ.get('CXX') or 'c++'} is not on PATH)"
+    return None
+
+
+def _build() -> Path:
+    """The cached library for this source, torch and compiler, compiled if missing (to a temporary
+    name, then renamed: two processes building at once both end with a whole file)."""
+    global build_seconds
+    cxx = _compiler()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
+                                     os.path.realpath(cxx).encode()])).hexdigest()[:16]
+    path = cache_dir() / f"cpu_gemv-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-800:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    build_seconds = time.perf_counter() - start
+    return path
+
+
+@functools.cache
+def load() -> str | None:
+    """Register ``torch.ops.torchkiln.cpu_gemv`` (building it if needed). None when it is ready;
+    otherwise why not, in words (the op is then absent and callers use torch's kernels)."""
+    why = _why_not_here()
+    if why:
+        return why
+    with _lock:
+        try:
+            torch.ops.load_library(str(_build()))
+        except (OSError, RuntimeError) as e:
+            return f"build failed: {e}"
+    torch.library.register_fake("torchkiln::cpu_gemv")(_fake)
+    return None
+
+
+def _fake(x, w, scale=None):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def fits(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Can the op serve a layer with this weight for inputs of ``x_dtype``?"""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in W_DTYPES and x_dtype in X_DTYPES)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x @ weight.T) * scale`` in x's dtype, accumulated in float32 (``load()`` first)."""
+    return torch.ops.torchkiln.cpu_gemv(x, weight, scale)
