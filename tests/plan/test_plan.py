@@ -80,6 +80,19 @@ def test_dtype_fallback_reason_is_the_first_note(hw, device, level):
         assert not any("kept float32" in n for n in recipe.notes)
 
 
+@pytest.mark.parametrize("hw,device", [m[1:] for m in CPUS + GPUS], ids=[m[0] for m in CPUS + GPUS])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_a_model_already_in_bf16_is_planned_in_bf16_everywhere(hw, device, level):
+    """Weights already bf16 (a checkpoint loaded in bf16): no upcast to float32, even where bf16 is
+    emulated; the note says so. (A float32 plan left the candidates in bf16 under float32's
+    tolerance: on a Zen 3 none passed and the original served.)"""
+    recipe = plan(mlp().to(BF16), hw, device, BF16, level, {}, None)
+    assert recipe.dtype == "bfloat16"
+    assert not any("kept float32" in n for n in recipe.notes)
+    if plan(mlp(), hw, device, BF16, level, {}, None).dtype == "float32":  # a float32 model would step down
+        assert "weights are bfloat16: served at that precision" in recipe.notes[0]
+
+
 @ALL
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_O1_O2_compile_with_freezing_and_base_passes(hw, device, level):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..hardware import Hardware
+from ..modelutil import model_dtype
 from ..passes import onednn_graph, registry
 from ..recipe import Recipe
 from . import common, cpu, cuda, generic
@@ -37,7 +38,15 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
          knobs: dict, batch: int | None = None) -> Recipe:
     notes: list[str] = []
     fam = family(device)
-    dtype, why = fam.choose_dtype(hw, device, dtype)
+    chosen, why = fam.choose_dtype(hw, device, dtype)
+    if chosen != dtype and model_dtype(model) == dtype:
+        # the weights already are that dtype (a checkpoint loaded in bf16): computing them in float32
+        # would be an upcast optimize() never makes (see its own-dtype rule), and the candidates, left in
+        # bf16, were then held to float32's tolerance, so none passed (a bf16 model on a Zen 3)
+        why = (f"the model's weights are {_name(dtype)}: served at that precision, though this {device} has no "
+               f"native {_name(dtype)} and emulates it (model.float() first for float32)")
+    else:
+        dtype = chosen
     if why:
         notes.append(why)
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
