@@ -111,3 +111,12 @@ def hooked(model: nn.Module) -> list[str]:
     if getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None):
         names.append("every module (global hooks)")
     return names
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face decoder-only model with a language-model head (it can generate)."""
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    head = getattr(model, "get_output_embeddings", None)
+    return (config is not None and not getattr(config, "is_encoder_decoder", False) and callable(can)
+            and bool(can()) and callable(head) and isinstance(head(), nn.Linear))

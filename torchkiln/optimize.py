@@ -45,6 +45,7 @@ from .modelutil import (
     eval_mode,
     first_line,
     has_conv,
+    is_causal_lm,
     is_oom,
     model_device,
     model_dtype,
@@ -538,7 +539,7 @@ class KilnModule(OriginalFace):
     def _attr(self, name: str, attr):
         if name == "generate" and callable(attr):
             # a tk.quantize'd model keeps its own generate: tk.llm quantizes its own decoder (llm.optimize's quant=)
-            if _is_causal_lm(self.kiln_original) and getattr(self.kiln_original, "kiln_quant", None) is None:
+            if is_causal_lm(self.kiln_original) and getattr(self.kiln_original, "kiln_quant", None) is None:
                 return functools.partial(self._fast_generate, attr)
             return _unoptimized(attr, name)
         return attr
@@ -658,7 +659,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         compute = own
     hw = detect()
     target = resolve_device(device if device is not None else model_device(model), hw)
-    if quantize is None and sample_input is None and _is_causal_lm(model):
+    if quantize is None and sample_input is None and is_causal_lm(model):
         from .llm import optimize as llm_optimize
 
         # a decoder's generate() is what users run; its forward stays the model's own (in dtype).
@@ -738,15 +739,6 @@ def _validate_model(model) -> None:
                         "(TorchScript is deprecated upstream). Pass the model before torch.jit.script/trace.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() expects a torch.nn.Module, got {type(model).__name__}")
-
-
-def _is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face decoder-only model with a language-model head (it can generate)."""
-    config = getattr(model, "config", None)
-    can = getattr(model, "can_generate", None)
-    head = getattr(model, "get_output_embeddings", None)
-    return (config is not None and not getattr(config, "is_encoder_decoder", False) and callable(can)
-            and bool(can()) and callable(head) and isinstance(head(), nn.Linear))
 
 
 def _check_sample(model: nn.Module, sample: inputs.Args) -> None:

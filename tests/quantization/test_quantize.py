@@ -560,3 +560,29 @@ def test_an_int8_cnn_keeps_its_compiled_graph_at_a_second_batch_size():
         with torch.no_grad():
             assert sqnr_db(net(x), fast(x)) > 25
     assert fast.kiln_report.active == served and not fast.kiln_report.fallbacks, fast.kiln_report.fallbacks
+
+
+def test_a_causal_lm_keeps_generate_and_static_schemes_say_why_not():
+    """int8-dynamic on a causal LM goes through torchao's module swap, not pt2e (export raised on
+    transformers' cache, and its graph has no generate()); the quantized model generates, alone and
+    through tk.optimize, with logits close to float32's. The pt2e schemes refuse it by name."""
+    T = pytest.importorskip("transformers")
+    cfg = T.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=500)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="int8-dynamic on a causal LM on the CPU"):
+        q = tk.quantize(model, "int8-dynamic", sample_input={"input_ids": ids})
+    assert q.kiln_quant.report.backend == "torchao"
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(q(ids).logits.flatten(), model(ids).logits.flatten(), dim=0)
+    assert cos > 0.99, float(cos)
+    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = q.generate(ids, **greedy)
+    assert out.shape == (1, 12) and torch.equal(out[:, :8], ids)
+    fast = tk.optimize(model, quantize="int8-dynamic", sample_input={"input_ids": ids}, time_budget=0.2)
+    assert torch.equal(fast.generate(ids, **greedy), out)  # the same quantized weights, the model's own generate
+    for scheme in ("int8-static", "int8-smoothquant"):
+        with pytest.raises(ValueError, match=f"{scheme}.*torch.export.*causal LM use 'int8-dynamic'"):
+            tk.quantize(model, scheme, calib_data=[{"input_ids": ids}])

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import inputs
 from .._log import warn_once
-from ..modelutil import model_device, model_dtype
+from ..modelutil import is_causal_lm, model_device, model_dtype
 from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
 from .config import QuantConfig, make
@@ -151,13 +151,30 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
     return _prepare(model, config, sample, dev)
 
 
+def _backend(config: QuantConfig, dev: torch.device, model: nn.Module) -> str:
+    """schemes.backend_for for this model; a causal LM is refused the pt2e flow with a clear error
+    (export raised an opaque pytree error on transformers' cache, and the graph it makes has no generate())."""
+    generates = is_causal_lm(model)
+    backend = backend_for(config, dev, model_dtype(model), generates)
+    if backend == "pt2e" and generates:
+        raise ValueError(f"scheme {config.scheme!r} quantizes through torch.export (pt2e), which turns "
+                         f"{type(model).__name__}'s forward into a graph without generate(); for a causal LM use "
+                         "'int8-dynamic', 'int8-weight-only' or 'int4-weight-only' (or tk.llm.optimize(model, "
+                         "quant='int8'), the fast decoder)")
+    if generates and backend == "torchao" and config.scheme == "int8-dynamic" and dev.type == "cpu":
+        warn_once(f"lm-int8dyn:{type(model).__name__}", "torchkiln: int8-dynamic on a causal LM on the CPU runs "
+                  "through torchao's int8 matmul (torch._int_mm, a reference loop on CPUs) to keep generate(): "
+                  "correct but slow; 'int8-weight-only' or tk.llm.optimize(model, quant='int8') is the fast int8 here")
+    return backend
+
+
 def _prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args | None, dev: torch.device) -> Prepared:
     dtype = model_dtype(model)
     _check_fast(config, dev, dtype)
     was_training = model.training
     model.eval()
     try:
-        return Prepared(model, config, backend_for(config, dev, dtype), dev, sample)
+        return Prepared(model, config, _backend(config, dev, model), dev, sample)
     finally:
         model.train(was_training)
 
@@ -208,7 +225,7 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
         raise ValueError(f"scheme {config.scheme!r} {what}: calib_data must hold at least one batch (a list of "
                          "tensors, tuples or dicts), got " + ("nothing" if calib_data is None else "an empty iterable"))
     dev = torch.device(device) if device is not None else model_device(model)
-    backend = backend_for(config, dev, model_dtype(model))
+    backend = _backend(config, dev, model)
     config = _resolved(config, backend, bool(data))
     names = fallback.targets(model, config, backend)
     if not names:

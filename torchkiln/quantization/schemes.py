@@ -42,15 +42,20 @@ def torchao():
     return q
 
 
-def backend_for(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """The flow for a scheme on a device, for a model whose floating dtype is ``dtype``."""
+def backend_for(config: QuantConfig, device: torch.device, dtype: torch.dtype | None = None,
+                generates: bool = False) -> str:
+    """The flow for a scheme on a device, for a model whose floating dtype is ``dtype``;
+    ``generates``: a causal LM (its generate() must keep working)."""
     if config.backend != "auto":
         return config.backend
     if config.gptq:  # GPTQ's codes go into torchkiln's own weight-only layers
         return "kernels"
     if config.static:
         return "pt2e"
-    if config.scheme == "int8-dynamic" and device.type == "cpu":
+    if config.scheme == "int8-dynamic" and device.type == "cpu" and not generates:
+        # not for a causal LM: pt2e exports its forward into a graph with no generate(), and export
+        # raised on transformers' DynamicCache output (torch 2.13, transformers 5.23); torchao swaps
+        # modules, so the model keeps its generate
         return "pt2e"
     if config.scheme.endswith("-weight-only") and device.type == "cuda":
         # weight_only.py's layers: torchao's int8 weight-only decoded Llama-3-8B at 136 tok/s on the
