@@ -483,8 +483,8 @@ def test_cpu_decode_takes_the_form_measured_fastest(monkeypatch, form):
         pytest.skip(f"torchkiln's CPU GEMV is not built here: {cpu_gemv.load()}")
     calls = []
 
-    def measured(weights):
-        calls.append(len(weights))
+    def measured(weights, norm):
+        calls.append((len(weights), norm))
         times = {"F.linear": 20.0, "reduction": 19.0, "kernel": 19.5}
         times[form] = 10.0 if form != "F.linear" else 18.5  # the others within 10%: no swap
         return times, None
@@ -493,7 +493,8 @@ def test_cpu_decode_takes_the_form_measured_fastest(monkeypatch, form):
     model = build("llama", seed=28)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
     decoder = fast._kiln_runner.decoder
-    assert calls == [len(decoder.layers)]  # every layer's up projection, timed once
+    # every layer's up projection, timed once, after the layers' own pre-MLP norm (as in the step)
+    assert calls == [(len(decoder.layers), decoder.layers[0].norm2)]
     want = FORMS.get(form, torch.nn.Linear)
     assert type(decoder.layers[0].qkv) is want and type(decoder.head) is want
     assert fast.kiln_report.cpu_gemv.startswith(form)
@@ -506,7 +507,7 @@ def test_row_forms_times_every_form_built_here():
     from torchkiln.kernels import cpu_gemv
     from torchkiln.llm.model import row_forms
 
-    times, why = row_forms([torch.randn(64, 32) for _ in range(3)])
+    times, why = row_forms([torch.randn(64, 32) for _ in range(3)], torch.nn.LayerNorm(32))
     assert set(times) == {"F.linear", "reduction"} | ({"kernel"} if cpu_gemv.load() is None else set())
     assert all(t > 0 for t in times.values())
     assert (why is None) == ("kernel" in times)

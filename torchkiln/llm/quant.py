@@ -95,18 +95,20 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
 def cpu_int8_rows(decoder: nn.Module) -> str | None:
     """The CPU's compiled int8 decode: one-row products through torchkiln's CPU GEMV, for every
     Int8Linear of ``decoder``, where it measures faster here than Int8Linear's own form (torch's
-    ``_weight_int8pack_mm`` in bf16, the dequantizing expression in float32; both compiled) on
-    the layers' up projections. Returns the report's line (None: no int8 layer)."""
+    ``_weight_int8pack_mm`` in bf16, the dequantizing expression in float32; both compiled, after
+    the pre-MLP norm as in model.row_forms) on the layers' up projections. Returns the report's line (None: no int8 layer)."""
     ups = [layer.up for layer in decoder.layers if isinstance(layer.up, Int8Linear)]
     if not ups:
         return None
     x = torch.randn(1, 1, ups[0].in_features, dtype=ups[0].scales.dtype)
     own = ups[0].cpu_kernel
-    forms = {"torch": torch.compile(fresh(lambda x, q, s: Int8Linear.product(x, q, s, own)), dynamic=False)}
+    norm = getattr(decoder.layers[0], "norm2", None) or nn.Identity()  # in front, as in the step (row_forms)
+    forms = {"torch": lambda x, q, s: Int8Linear.product(norm(x), q, s, own)}
     why = cpu_gemv.load() or (None if cpu_gemv.fits(x.dtype, ups[0].weight) else f"no {x.dtype} form")
     if why is None:
-        forms["kernel"] = torch.compile(fresh(lambda x, q, s: cpu_gemv.gemv(x, q, s)), dynamic=False)
-    times = time_forms(forms, [(x, m.weight, m.scales) for m in ups])
+        forms["kernel"] = lambda x, q, s: cpu_gemv.gemv(norm(x), q, s)
+    compiled = {name: torch.compile(fresh(fn), dynamic=False) for name, fn in forms.items()}
+    times = time_forms(compiled, [(x, m.weight, m.scales) for m in ups])
     form = pick(times, "torch")
     head = decoder.head
     if form == "kernel" and not isinstance(head, Int8Linear) and cpu_gemv.fits(x.dtype, head.weight):
