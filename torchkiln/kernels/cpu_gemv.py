@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,6 @@ SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 X_DTYPES = (torch.float32, torch.bfloat16)
 W_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _lock = threading.Lock()
-build_seconds: float | None = None  # this process's build time (None: loaded from the cache, or not built)
 
 
 def cache_dir() -> Path:
@@ -64,7 +62,6 @@ def _why_not_here() -> str | None:
 def _build() -> Path:
     """The cached library for this source, torch and compiler, compiled if missing (to a temporary
     name, then renamed: two processes building at once both end with a whole file)."""
-    global build_seconds
     cxx = _compiler()
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
                                      os.path.realpath(cxx).encode()])).hexdigest()[:16]
@@ -74,7 +71,6 @@ def _build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    start = time.perf_counter()
     try:
         done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
         if done.returncode:
@@ -83,7 +79,6 @@ def _build() -> Path:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    build_seconds = time.perf_counter() - start
     return path
 
 

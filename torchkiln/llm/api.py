@@ -183,9 +183,9 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
         report.quant_rounding = "gptq" if calib else "nearest"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
         if target.type == "cpu" and compile and quant == "int8":
-            line = cpu_int8_rows(decoder)
-            report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, line]))
-            report.quant_layers += bool(line and line.endswith("head int8"))
+            head = decoder.head
+            report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
+            report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner
 

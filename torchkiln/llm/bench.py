@@ -80,13 +80,15 @@ def decoder_bytes(decoder) -> int:
     """Bytes of weights a torchkiln decode step reads, as served: each projection and the head in
     its own format (int8 codes and scales, int4 packs and tables, float weights), so a head kept in
     float counts at its size."""
+    from ..quantization.weight_only import Int4Linear, Int8Linear
+
     total = 0
     for m in decoder.modules():
         if isinstance(m, torch.nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-        elif hasattr(m, "packed") or (hasattr(m, "scales") and hasattr(m, "weight")):  # Int4Linear / Int8Linear
+        elif isinstance(m, (Int4Linear, Int8Linear)):
             total += sum(b.numel() * b.element_size() for name, b in m.named_buffers(recurse=False)
-                         if b is not None and name != "bias")
+                         if name != "bias")
     return total
 
 
@@ -107,10 +109,8 @@ def _without_own_kernels(on: bool):
     built here, so its decode uses torch's kernels only (what torchkiln's own kernel buys)."""
     from ..kernels import cpu_gemv
 
-    if not on:
-        yield
-        return
-    with unittest.mock.patch.object(cpu_gemv, "load", lambda: "left out for this peer"):
+    off = unittest.mock.patch.object(cpu_gemv, "load", lambda: "left out for this peer")
+    with off if on else contextlib.nullcontext():
         yield
 
 

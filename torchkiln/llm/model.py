@@ -157,8 +157,9 @@ FORMS = {"reduction": RowLinear, "kernel": KernelLinear}  # one-row forms beside
 
 
 def time_forms(forms: dict, args: list[tuple], rounds: int = 5) -> dict[str, float]:
-    """us per call of each callable in ``forms`` over ``args`` (one tuple per layer, cycled so the
-    weights come from memory as in decode), interleaved over ``rounds``; medians."""
+    """us per call of each function in ``forms``, compiled, over ``args`` (one tuple per layer,
+    cycled so the weights come from memory as in decode), interleaved over ``rounds``; medians."""
+    forms = {name: torch.compile(fresh(fn), dynamic=False) for name, fn in forms.items()}
     with torch.no_grad():
         for fn in forms.values():  # warm-up: compiles
             [fn(*a) for a in args[:2]]
@@ -186,11 +187,15 @@ def row_forms(weights: list[torch.Tensor], norm: nn.Module | None = None) -> tup
     norm = norm if norm is not None else nn.Identity()
     forms = {"F.linear": lambda x, w: F.linear(norm(x), w),
              "reduction": lambda x, w: _row_product(norm(x), w, None)}
-    why = cpu_gemv.load() or (None if cpu_gemv.fits(x.dtype, weights[0]) else f"no {x.dtype} form")
+    why = kernel_why(x.dtype, weights[0])
     if why is None:
         forms["kernel"] = lambda x, w: cpu_gemv.gemv(norm(x), w)
-    compiled = {name: torch.compile(fresh(fn), dynamic=False) for name, fn in forms.items()}
-    return time_forms(compiled, [(x, w) for w in weights]), why
+    return time_forms(forms, [(x, w) for w in weights]), why
+
+
+def kernel_why(x_dtype: torch.dtype, weight: torch.Tensor) -> str | None:
+    """Why torchkiln's CPU GEMV cannot serve this weight for inputs of ``x_dtype`` (None: it can)."""
+    return cpu_gemv.load() or (None if cpu_gemv.fits(x_dtype, weight) else f"no {x_dtype} form")
 
 
 def describe(form: str, times: dict[str, float], why: str | None) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 from ..kernels import cpu_gemv
 from ..quantization import gemv, gptq
 from ..quantization.weight_only import Int4Linear, Int8Linear, cpu_kernels
-from .model import describe, fresh, pick, time_forms
+from .model import describe, kernel_why, pick, time_forms
 
 # int4 kernel. "auto": on CUDA in bf16, tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm)
 # called on plain buffers, for decode and prefill alike; elsewhere Int4Linear's own layout (the Triton
@@ -104,11 +104,10 @@ def cpu_int8_rows(decoder: nn.Module) -> str | None:
     own = ups[0].cpu_kernel
     norm = getattr(decoder.layers[0], "norm2", None) or nn.Identity()  # in front, as in the step (row_forms)
     forms = {"torch": lambda x, q, s: Int8Linear.product(norm(x), q, s, own)}
-    why = cpu_gemv.load() or (None if cpu_gemv.fits(x.dtype, ups[0].weight) else f"no {x.dtype} form")
+    why = kernel_why(x.dtype, ups[0].weight)
     if why is None:
         forms["kernel"] = lambda x, q, s: cpu_gemv.gemv(norm(x), q, s)
-    compiled = {name: torch.compile(fresh(fn), dynamic=False) for name, fn in forms.items()}
-    times = time_forms(compiled, [(x, m.weight, m.scales) for m in ups])
+    times = time_forms(forms, [(x, m.weight, m.scales) for m in ups])
     form = pick(times, "torch")
     head = decoder.head
     if form == "kernel" and not isinstance(head, Int8Linear) and cpu_gemv.fits(x.dtype, head.weight):
