@@ -4,6 +4,7 @@ error messages, and how it is built (and not built)."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -73,8 +74,21 @@ def test_compiled_calls_the_op_and_gives_the_same_values(op):
     (lambda: (torch.randn(1, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(2)), "scale must hold 3"),
 ])
 def test_bad_operands_name_what_is_wrong(op, args, message):
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         op(*args())
+
+
+@here
+def test_the_ops_own_check_raises_a_catchable_error(op):
+    """The op's TORCH_CHECK backstop, called directly (no Python check first). In a child process: on
+    the H200 host this throw crashed pytest's process (fourteenth session), and a crash here must be
+    this test's failure, not the end of the run."""
+    code = ("import torch; from torchkiln.kernels import cpu_gemv; assert cpu_gemv.load() is None\n"
+            "try:\n    torch.ops.torchkiln.cpu_gemv(torch.randn(1, 8), torch.randn(8, 4).t(), None)\n"
+            "except RuntimeError as e:\n    print('raised:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised: torchkiln::cpu_gemv: weight must be a contiguous 2-D tensor" in done.stdout
 
 
 def test_fits_only_what_the_op_takes():

@@ -109,5 +109,29 @@ def fits(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x @ weight.T) * scale`` in x's dtype, accumulated in float32 (``load()`` first)."""
+    """``(x @ weight.T) * scale`` in x's dtype, accumulated in float32 (``load()`` first).
+    Bad operands raise ValueError here, before the op: on the H200 host (Xeon, torch 2.11, GCC 13.3)
+    the op's own TORCH_CHECK throw crashed a pytest process (SIGSEGV) that a plain script survived,
+    cause not found (benchmarks/RESULTS.md, fourteenth session); the op's checks stay as a backstop."""
+    why = _bad_operands(x, weight, scale)
+    if why:
+        raise ValueError(f"torchkiln::cpu_gemv: {why}")
     return torch.ops.torchkiln.cpu_gemv(x, weight, scale)
+
+
+def _bad_operands(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> str | None:
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        return f"CPU tensors only (x on {x.device}, weight on {w.device})"
+    if w.dim() != 2 or not w.is_contiguous():
+        return f"weight must be a contiguous 2-D tensor, got sizes {tuple(w.shape)} strides {w.stride()}"
+    if x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        return f"x's last dim must be {w.shape[1]} (the weight's in_features), got sizes {tuple(x.shape)}"
+    if x.dtype not in X_DTYPES:
+        return f"x must be float32 or bfloat16, got {x.dtype}"
+    if w.dtype not in W_DTYPES:
+        return f"weight must be float32, bfloat16 or int8, got {w.dtype}"
+    if w.dtype == torch.int8 and scale is None:
+        return "int8 weights need scale (one float per output row)"
+    if scale is not None and scale.numel() != w.shape[0]:
+        return f"scale must hold {w.shape[0]} values, got {scale.numel()}"
+    return None
