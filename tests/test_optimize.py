@@ -462,6 +462,47 @@ def test_inplace_changes_to_the_originals_weights_rebuild():
     torch.testing.assert_close(o(x), other(x), rtol=1e-4, atol=1e-5)
 
 
+def _as_if_cuda_graphs(o):
+    """Serve ``o`` the way a CUDA-graph candidate is served (outputs copied, weights checked after
+    the call is queued), on the CPU: what that path decides is device-independent."""
+    o._served.cuda_graphs = True
+
+
+def test_a_graph_served_model_checks_weights_after_the_call_and_recomputes():
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    _as_if_cuda_graphs(o)
+    before = o(x)
+    order = []
+    fn, stale = o._fn, o._stale
+    object.__setattr__(o, "_fn", lambda *a, **k: order.append("call") or fn(*a, **k))
+    object.__setattr__(o, "_stale", lambda: order.append("check") or stale())
+    torch.testing.assert_close(o(x), before, rtol=0, atol=0)
+    assert order == ["call", "check"]  # unchanged weights: one call, checked once it is queued
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)
+    after = o(x)  # the queued answer used the old weights: dropped, rebuilt, recomputed
+    torch.testing.assert_close(after, m(x), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(before, after)
+
+
+def test_a_graph_served_failure_after_new_weights_rebuilds_instead_of_stepping_down():
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    _as_if_cuda_graphs(o)
+    o(x)
+    served = o.kiln_report.active
+
+    def fails(*a, **k):
+        raise RuntimeError("shapes of the new weights do not match the recorded graph")
+
+    object.__setattr__(o, "_fn", fails)
+    with torch.no_grad():
+        m[0].weight.mul_(2)
+    torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+    assert o.kiln_report.active == served and not o.kiln_report.fallbacks
+
 def test_load_state_dict_into_a_frozen_compiled_model(monkeypatch):
     compiled_wins(monkeypatch)  # the frozen compiled candidate must serve, whatever the machine's load
     m, x = mlp(), torch.randn(4, 32)

@@ -3,6 +3,7 @@ of positional arguments, or a dict of keyword arguments."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
@@ -31,6 +32,39 @@ def tree_map(fn, obj):
     because dynamo traces it without graph breaks and transformers registers its
     ModelOutput classes with it."""
     return pytree.tree_map_only(torch.Tensor, fn, obj)
+
+
+def clone(obj):
+    """``tree_map(torch.clone, obj)`` for a model's outputs, without pytree's generic walk on the
+    containers models return: a CUDA-graph output is copied out of its pool on every call, and
+    pytree took 71 us per call for a transformers ModelOutput of two tensors where the clones took
+    10 (2-core Zen 3; the H200 served path lost 70-140 us per call to such costs,
+    benchmarks/RESULTS.md, fourteenth session). Other containers take pytree's path."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return kind(clone(v) for v in obj)
+    if kind is dict:
+        return {k: clone(v) for k, v in obj.items()}
+    if isinstance(obj, OrderedDict) and hasattr(kind, "to_tuple"):  # a transformers ModelOutput
+        return _clone_model_output(obj)
+    return tree_map(torch.clone, obj)
+
+
+def _clone_model_output(obj):
+    # A ModelOutput keeps each field twice, as an attribute and (when not None) as an item; its
+    # constructor re-derives both (24 us on the Zen 3 above); set directly, the copy took 18 us, clones included.
+    kind = type(obj)
+    if not all(k in obj.__dict__ for k in obj):  # not the layout this relies on: the constructor
+        return kind(**{k: clone(v) for k, v in obj.items()})
+    new = kind.__new__(kind)
+    new.__dict__.update(obj.__dict__)
+    for k, v in obj.items():
+        c = clone(v)
+        OrderedDict.__setitem__(new, k, c)
+        object.__setattr__(new, k, c)
+    return new
 
 
 def flatten(obj) -> list[torch.Tensor]:

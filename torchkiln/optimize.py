@@ -136,28 +136,50 @@ class KilnModule(OriginalFace):
 
     def forward(self, *args, **kwargs):
         fn = self._fn
-        if fn is None or self._stale():
-            with self._lock:
-                if self._fn is None or self._stale():
-                    if self._fn is not None:
-                        self._reset(choice=self.kiln_report.active)
-                        log.info("torchkiln: the original's weights changed; rebuilding %s", self._choice)
-                    with self._pristine(args, kwargs):
-                        return self._setup(args, kwargs)
-                fn = self._fn
-        if self._check_shape(args, kwargs):
+        new_shape = fn is not None and self._check_shape(args, kwargs)
+        # A CUDA-graph replay is checked for changed weights after it is queued, while the GPU runs it:
+        # checked before, the 13-61 us of version reads were added to every call (H200 host, RESULTS.md,
+        # fourteenth session). An answer computed from old weights is then dropped and recomputed.
+        late = fn is not None and not new_shape and self._served.cuda_graphs
+        if fn is None or (not late and self._stale()):
+            out = self._refresh(args, kwargs)
+            if out is not _RACED:
+                return out
+            fn, new_shape = self._fn, self._check_shape(args, kwargs)
+        if new_shape:
             with self._lock, self._pristine(args, kwargs):
                 return self._verify_shape(args, kwargs)
         try:
-            return self._serve(fn, args, kwargs)
+            out = self._serve(fn, args, kwargs)
         except Exception as e:
             if is_oom(e) or self._served.kind == "original":
                 raise
+            if late and self._stale():  # the new weights, not the candidate, may be what failed
+                return self._refreshed(args, kwargs)
             with self._lock:
                 if self._fn is fn:
                     with self._pristine(args, kwargs):
                         return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}")
             return self.forward(*args, **kwargs)
+        if late and self._stale():
+            return self._refreshed(args, kwargs)
+        return out
+
+    def _refresh(self, args, kwargs):
+        """Set up (first call) or rebuild (the original's weights changed) and answer this call;
+        _RACED when another thread did it first."""
+        with self._lock:
+            if self._fn is None or self._stale():
+                if self._fn is not None:
+                    self._reset(choice=self.kiln_report.active)
+                    log.info("torchkiln: the original's weights changed; rebuilding %s", self._choice)
+                with self._pristine(args, kwargs):
+                    return self._setup(args, kwargs)
+        return _RACED
+
+    def _refreshed(self, args, kwargs):
+        out = self._refresh(args, kwargs)
+        return self.forward(*args, **kwargs) if out is _RACED else out
 
     @contextlib.contextmanager
     def _pristine(self, args, kwargs):
@@ -190,7 +212,7 @@ class KilnModule(OriginalFace):
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
-                return inputs.tree_map(torch.clone, fn(*args, **kwargs))
+                return inputs.clone(fn(*args, **kwargs))
         with torch.no_grad():
             return fn(*args, **kwargs)
 
@@ -388,7 +410,7 @@ class KilnModule(OriginalFace):
         fns, errors = {}, {}
         for name, fn in passed.items():
             graphs = self._find(name).cuda_graphs
-            call = (lambda fn=fn: inputs.tree_map(torch.clone, fn(*args, **kwargs))) if graphs else \
+            call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else \
                 (lambda fn=fn: fn(*args, **kwargs))
             if self._snap is not None and self._snap.changed:  # a model that writes its state or inputs
                 call = _after(self._restore, call)
@@ -583,6 +605,7 @@ class KilnModule(OriginalFace):
 
 
 _FAILED = object()  # _rebuild's "no": a full selection follows
+_RACED = object()  # _refresh's "another thread set up first": serve with what it built
 
 
 def _unoptimized(method, name: str):

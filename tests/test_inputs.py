@@ -1,0 +1,58 @@
+"""inputs.clone (the copy a CUDA-graph output gets on every call) against torch's pytree walk."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+from torchkiln import inputs
+
+Pair = namedtuple("Pair", "a b")
+
+
+def _outputs():
+    t = [torch.randn(2, 3) for _ in range(4)]
+    yield t[0]
+    yield (t[0], [t[1], {"x": t[2], "n": 3}], None)
+    yield Pair(t[0], (t[1], "s"))
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions
+    yield cls(last_hidden_state=t[0], pooler_output=t[1], hidden_states=(t[2], t[3]))
+
+
+def _same_but_copied(got, want, orig):
+    assert type(got) is type(want)
+    g, gs = pytree.tree_flatten(got)
+    w, ws = pytree.tree_flatten(want)
+    o, _ = pytree.tree_flatten(orig)
+    assert gs == ws
+    for a, b, c in zip(g, w, o, strict=True):
+        if isinstance(c, torch.Tensor):
+            assert torch.equal(a, b) and a.data_ptr() != c.data_ptr()
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_clone_matches_pytree_and_copies_every_tensor(case):
+    out = list(_outputs())[case]
+    _same_but_copied(inputs.clone(out), pytree.tree_map_only(torch.Tensor, torch.clone, out), out)
+
+
+def test_a_cloned_model_output_reads_the_same_every_way_and_owns_its_tensors():
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions
+    h, p, s = torch.randn(1, 4, 8), torch.randn(1, 8), torch.randn(1, 4, 8)
+    out = cls(last_hidden_state=h, pooler_output=p, hidden_states=(s,))
+    c = inputs.clone(out)
+    assert list(c.keys()) == ["last_hidden_state", "pooler_output", "hidden_states"]
+    assert c.attentions is None and c.cross_attentions is None
+    assert c[0] is c.last_hidden_state is c["last_hidden_state"] and c.to_tuple()[1] is c.pooler_output
+    h.add_(1), p.add_(1), s.add_(1)  # the graph pool's next replay, overwriting the originals
+    torch.testing.assert_close(c.last_hidden_state + 1, h, rtol=0, atol=0)
+    torch.testing.assert_close(c.hidden_states[0] + 1, s, rtol=0, atol=0)
+    c.pooler_output = torch.zeros(1, 8)  # still a ModelOutput: an attribute write updates the item
+    assert torch.equal(c["pooler_output"], torch.zeros(1, 8))
