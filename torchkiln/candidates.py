@@ -18,6 +18,7 @@ This is the seed of the autotuner: candidates and their measurements are data
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -89,10 +90,11 @@ class KilnCall:
     def __init__(self, fn: Callable, build: KilnBuild, cuda_graphs: bool):
         self.fn, self.build, self.cuda_graphs = fn, build, cuda_graphs
         self.recipe = build.recipe
+        self._mask: tuple | None = None  # (weakref to the last mask, its version and storage, all ones?)
 
     def __call__(self, *args, **kwargs):
         if self.recipe.drop_all_ones_mask:
-            kwargs = drop_all_ones_mask(kwargs)
+            kwargs = self._drop_mask(kwargs)
         runner = self.build.runner()
         if not runner.calibrated:
             note = runner.calibrate(args, kwargs)
@@ -103,21 +105,30 @@ class KilnCall:
                 torch.compiler.cudagraph_mark_step_begin()
             return self.fn(*args, **kwargs)
 
+    def _drop_mask(self, kwargs: dict) -> dict:
+        """transformers treats attention_mask=None as all ones, but once traced it keeps
+        the mask and builds a 4-D one, which rules out flash attention. A 2-D all-ones
+        mask is dropped here, outside the compiled graph."""
+        # Reading a CUDA mask's values waits for the GPU: 25 us per call on the H200 (fourteenth
+        # session), a tenth of a small model's CUDA-graph replay. The same unchanged tensor as
+        # last call (a static input buffer, a benchmark loop) gets the answer it got then.
+        m = kwargs.get("attention_mask")
+        if not (isinstance(m, torch.Tensor) and m.dim() == 2):
+            return kwargs
+        key = (m._version, m.data_ptr())
+        last = self._mask
+        if last is not None and last[0]() is m and last[1] == key:
+            ones = last[2]
+        else:
+            ones = bool(m.all())
+            self._mask = (weakref.ref(m), key, ones)
+        return {**kwargs, "attention_mask": None} if ones else kwargs
+
     def _flags(self):
         if not self.recipe.cudnn_benchmark:
             return contextlib.nullcontext()
         c = torch.backends.cudnn
         return c.flags(enabled=c.enabled, benchmark=True, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
-
-
-def drop_all_ones_mask(kwargs: dict) -> dict:
-    """transformers treats attention_mask=None as all ones, but once traced it keeps
-    the mask and builds a 4-D one, which rules out flash attention. A 2-D all-ones
-    mask is dropped here, outside the compiled graph (a small device sync on CUDA)."""
-    m = kwargs.get("attention_mask")
-    if isinstance(m, torch.Tensor) and m.dim() == 2 and bool(m.all()):
-        return {**kwargs, "attention_mask": None}
-    return kwargs
 
 
 def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:

@@ -1,0 +1,38 @@
+"""What a torchkiln candidate does to each call's inputs before its compiled graph runs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from torchkiln.candidates import KilnCall
+
+
+def _call():
+    return KilnCall(lambda **k: k, SimpleNamespace(recipe=SimpleNamespace(drop_all_ones_mask=True)), False)
+
+
+def test_an_all_ones_mask_is_dropped_and_a_padded_one_kept():
+    c, ids = _call(), torch.ones(2, 5, dtype=torch.long)
+    assert c._drop_mask({"input_ids": ids, "attention_mask": torch.ones(2, 5)})["attention_mask"] is None
+    padded = torch.ones(2, 5)
+    padded[1, 3:] = 0
+    assert c._drop_mask({"attention_mask": padded})["attention_mask"] is padded
+    four_d = torch.ones(2, 1, 5, 5)
+    assert c._drop_mask({"attention_mask": four_d})["attention_mask"] is four_d  # already the model's own form
+
+
+def test_the_same_unchanged_mask_is_read_once_and_a_changed_one_again(monkeypatch):
+    c, m = _call(), torch.ones(1, 8)
+    reads = []
+    real = torch.Tensor.all
+    monkeypatch.setattr(torch.Tensor, "all", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    for _ in range(3):
+        assert c._drop_mask({"attention_mask": m})["attention_mask"] is None
+    assert len(reads) == 1
+    m[0, -1] = 0  # written in place: its version moves, so it is read again
+    assert c._drop_mask({"attention_mask": m})["attention_mask"] is m
+    other = torch.zeros(1, 8)
+    assert c._drop_mask({"attention_mask": other})["attention_mask"] is other
+    assert len(reads) == 3
