@@ -1,3 +1,7 @@
+import contextvars
+import threading
+
+import pytest
 import torch
 import torch._inductor.config as inductor_config
 from memory import live_tensor_bytes
@@ -14,6 +18,46 @@ def test_matches_eager_and_leaves_global_config_alone():
     with torch.no_grad():
         torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
     assert inductor_config.freezing == before
+
+
+def _probe(seen: list):
+    class Probe(nn.Module):  # reads the config while the compiled call runs (at a graph break)
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            seen.append(inductor_config.freezing)
+            return x * 2
+
+    return compile_model(Probe(), {"freezing": True})
+
+
+def test_the_options_hold_inside_every_call_and_nowhere_else():
+    seen = []
+    c = _probe(seen)
+    with torch.no_grad():
+        for _ in range(3):  # the kept patch (Compiled._patch) is re-entered: it must apply each time
+            c(torch.randn(3))
+            assert inductor_config.freezing is False
+    assert seen == [True, True, True]
+
+
+PER_THREAD = isinstance(getattr(inductor_config.patch({}), "_prior", None), contextvars.ContextVar)
+
+
+@pytest.mark.skipif(not PER_THREAD, reason=f"torch {torch.__version__}'s config patches are process-wide: a thread "
+                    "leaving its patch ends another's (a known race on torch < 2.13, benchmarks/RESULTS.md)")
+def test_the_options_hold_inside_concurrent_calls():
+    seen = []
+    c = _probe(seen)
+    xs = [torch.randn(3) for _ in range(4)]
+    with torch.no_grad():
+        c(xs[0])
+        threads = [threading.Thread(target=lambda x=x: [c(x) for _ in range(5)]) for x in xs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(seen) == 21 and all(seen)
+    assert inductor_config.freezing is False
 
 
 def test_a_dropped_compiled_model_frees_its_graphs_and_frozen_weights():
