@@ -7,10 +7,12 @@ with a device sync on either side (as tk.bench does), in 3 interleaved rounds (b
 
   fast()            the returned model, as the user calls it
   served fn         the candidate optimize() serves, called directly (no copy of its outputs)
-  served fn+clone   the same with the copy the returned model makes of graph-pool outputs (pytree)
+  served fn+clone   the same with the copy the returned model made of graph-pool outputs (pytree)
+  served fn+inputs.clone   ... and with the copy it makes since the fourteenth session
   stock ro          the stock recipe, built as optimize() builds its candidate
   stale             the returned model's weight-version check alone
   mask all          reading whether the attention mask is all ones (a device sync)
+  mask kept         the served candidate's mask decision, kept for the same unchanged mask tensor
 
     python benchmarks/diag_served_cuda.py deberta,t5-encoder,mobilenet-v2,roberta   # wild_zoo names
 """
@@ -60,8 +62,10 @@ def case(name: str, dev: torch.device) -> None:
     mask = kwargs.get("attention_mask")
     rows = {"fast()": lambda: fast(*args, **kwargs), "served fn": lambda: fn(*args, **kwargs),
             "served fn+clone": lambda: inputs.tree_map(torch.clone, fn(*args, **kwargs)),
+            "served fn+inputs.clone": lambda: inputs.clone(fn(*args, **kwargs)),
             "stock ro": lambda: peer(*args, **kwargs), "stale": fast._stale,
-            "mask all": lambda: bool(mask.all()) if mask is not None else None}
+            "mask all": lambda: bool(mask.all()) if mask is not None else None,
+            "mask kept": lambda: fn._drop_mask(kwargs) if hasattr(fn, "_drop_mask") else None}
     res: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(3):
         for k, f in rows.items():
