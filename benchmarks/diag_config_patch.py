@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 
 import torch
 import torch._inductor.config as inductor_config
 from torch import nn
+
+from torchkiln.timing import median_seconds
 
 _local = threading.local()
 
@@ -82,14 +83,7 @@ def frozen(wrapper) -> bool:
 
 
 def per_call_us(f, n: int = 3000) -> float:
-    for _ in range(100):
-        f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return median_seconds(f, warmup=100, iters=n) * 1e6
 
 
 def main() -> None:

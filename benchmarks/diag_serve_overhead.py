@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
 
 import torchkiln as tk
+from torchkiln.timing import median_seconds
 
 warnings.filterwarnings("ignore")
 
@@ -39,12 +39,7 @@ def tiny_encoder():
 
 
 def per_call_us(fn, n: int) -> float:
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+    return median_seconds(fn, warmup=0, iters=n) * 1e6
 
 
 def main(argv=None) -> int:

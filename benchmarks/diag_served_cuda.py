@@ -3,7 +3,7 @@
 wild_zoo on the H200 (fourteenth session) found torchkiln's CUDA-graph model slower than stock
 `torch.compile(mode="reduce-overhead")` on some models although optimize() had measured its graph
 faster. This prints each model's optimize() report (what selection measured), then times, per call
-with a device sync on either side (as tk.bench does), in 3 interleaved rounds (best round kept):
+with a device sync after each (so the GPU is idle at each start, as in tk.bench), in 3 interleaved rounds (best round kept):
 
   fast()            the returned model, as the user calls it
   served fn         the candidate optimize() serves, called directly (no copy of its outputs)
@@ -19,9 +19,7 @@ with a device sync on either side (as tk.bench does), in 3 interleaved rounds (b
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -29,6 +27,7 @@ import torch
 
 import torchkiln as tk
 from torchkiln import inputs, stock
+from torchkiln.timing import median_seconds
 
 sys.path.insert(0, str(Path(__file__).parent))
 import wild_zoo  # noqa: E402
@@ -37,16 +36,8 @@ warnings.filterwarnings("ignore")
 
 
 def per_call_ms(f, n: int = 300) -> float:
-    for _ in range(20):
-        f()
-    ts = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        f()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return round(statistics.median(ts) * 1e3, 4)
+    """With a device sync after each call (the one before is the previous call's)."""
+    return round(median_seconds(lambda: (f(), torch.cuda.synchronize()), warmup=20, iters=n) * 1e3, 4)
 
 
 def case(name: str, dev: torch.device) -> None:

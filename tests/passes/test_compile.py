@@ -1,4 +1,3 @@
-import contextvars
 import threading
 
 import pytest
@@ -8,6 +7,7 @@ from memory import live_tensor_bytes
 from torch import nn
 
 from torchkiln.passes import compile_model
+from torchkiln.passes.compile import patches_per_thread
 
 
 def test_matches_eager_and_leaves_global_config_alone():
@@ -40,10 +40,7 @@ def test_the_options_hold_inside_every_call_and_nowhere_else():
     assert seen == [True, True, True]
 
 
-PER_THREAD = isinstance(getattr(inductor_config.patch({}), "_prior", None), contextvars.ContextVar)
-
-
-@pytest.mark.skipif(not PER_THREAD, reason=f"torch {torch.__version__}'s config patches are process-wide: a thread "
+@pytest.mark.skipif(not patches_per_thread(), reason=f"torch {torch.__version__}'s config patches are process-wide: a thread "
                     "leaving its patch ends another's (a known race on torch < 2.13, benchmarks/RESULTS.md)")
 def test_the_options_hold_inside_concurrent_calls():
     seen = []

@@ -12,6 +12,7 @@ and nothing global stays changed.
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import types
 import weakref
@@ -87,21 +88,28 @@ class Compiled(nn.Module):
             self._made.extend(mods[before:])
         return out
 
-
     def _patch(self):
         """The options' config patch for one call. Building one took 17 us and entering it 18 (2-core
-        Zen 3, torch 2.13), on every call: one is kept and re-entered where torch keeps a patch's saved
-        values per thread and entry (a ContextVar: torch 2.13). torch 2.6 and 2.11 save them in the
-        patch's closure, and two threads entering one patch would restore each other's: a new one."""
+        Zen 3, torch 2.13), on every call: where patches_per_thread(), one is kept and re-entered."""
         import torch._inductor.config as inductor_config
 
+        if not patches_per_thread():
+            return inductor_config.patch(self.options)
         patch = self.__dict__.get("_kept_patch")
         if patch is None:
-            patch = inductor_config.patch(self.options)
-            if not isinstance(getattr(patch, "_prior", None), contextvars.ContextVar):
-                return patch
-            self.__dict__["_kept_patch"] = patch
+            patch = self.__dict__["_kept_patch"] = inductor_config.patch(self.options)
         return patch
+
+
+@functools.cache
+def patches_per_thread() -> bool:
+    """Does this torch keep a config patch's saved values per thread and entry (a ContextVar: torch
+    2.13), so one patch can be re-entered from any thread? torch 2.6 and 2.11 keep them in the patch's
+    closure, and config is process-wide there: two threads entering one patch would restore each
+    other's values."""
+    import torch._inductor.config as inductor_config
+
+    return isinstance(getattr(inductor_config.patch({}), "_prior", None), contextvars.ContextVar)
 
 
 _modules: list | None = None
