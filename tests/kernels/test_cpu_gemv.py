@@ -79,16 +79,27 @@ def test_bad_operands_name_what_is_wrong(op, args, message):
 
 
 @here
-def test_the_ops_own_check_raises_a_catchable_error(op):
-    """The op's TORCH_CHECK backstop, called directly (no Python check first). In a child process: on
-    the H200 host this throw crashed pytest's process (fourteenth session), and a crash here must be
-    this test's failure, not the end of the run."""
+def test_the_ops_own_checks_raise_catchable_errors(op):
+    """The op's TORCH_CHECK backstops, called directly (no Python check first). In a child process: on
+    the H200 image a message with a number in it segfaulted (fifteenth session; cpu_gemv.cpp says
+    why), and a crash here must be this test's failure, not the end of the run."""
     code = ("import torch; from torchkiln.kernels import cpu_gemv; assert cpu_gemv.load() is None\n"
-            "try:\n    torch.ops.torchkiln.cpu_gemv(torch.randn(1, 8), torch.randn(8, 4).t(), None)\n"
-            "except RuntimeError as e:\n    print('raised:', e)\n")
+            "cases = [(torch.randn(1, 8), torch.randn(8, 4).t(), None),\n"
+            "         (torch.randn(1, 5), torch.randn(3, 4), None),\n"
+            "         (torch.randn(1, 4).half(), torch.randn(3, 4), None),\n"
+            "         (torch.randn(1, 4), torch.randn(3, 4).double(), None),\n"
+            "         (torch.randn(1, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(2))]\n"
+            "for x, w, s in cases:\n"
+            "    try:\n        torch.ops.torchkiln.cpu_gemv(x, w, s)\n"
+            "    except RuntimeError as e:\n        print('raised:', str(e).splitlines()[0])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "raised: torchkiln::cpu_gemv: weight must be a contiguous 2-D tensor" in done.stdout
+    assert done.stdout.splitlines() == [
+        "raised: torchkiln::cpu_gemv: weight must be a contiguous 2-D tensor, got sizes [4, 8] strides [1, 4]",
+        "raised: torchkiln::cpu_gemv: x's last dim must be 4 (the weight's in_features), got sizes [1, 5]",
+        "raised: torchkiln::cpu_gemv: x must be float32 or bfloat16, got Half",
+        "raised: torchkiln::cpu_gemv: weight must be float32, bfloat16 or int8, got Double",
+        "raised: torchkiln::cpu_gemv: scale must hold 3 values, got 2"]
 
 
 def test_fits_only_what_the_op_takes():

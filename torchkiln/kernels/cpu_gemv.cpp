@@ -17,9 +17,21 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <type_traits>
 
 namespace {
+
+// The checks' messages are built with std::to_string and handed to TORCH_CHECK as one C string,
+// which it passes on without a stream. On the H200 image the compiler (Ubuntu's g++-real 13.3)
+// linked libstdc++'s stream code into this library, and inserting an integer into c10::str's
+// ostringstream there segfaulted (fifteenth session: SIGSEGV in this library's copy of
+// std::ostream::_M_insert<long>; a message of C strings alone raised normally).
+std::string str(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of a float32
@@ -111,21 +123,24 @@ void dispatch_out(const float* x, int64_t M, const W* w, const float* scale, con
 at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "torchkiln::cpu_gemv: CPU tensors only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(),
-              "torchkiln::cpu_gemv: weight must be a contiguous 2-D tensor, got sizes ", w.sizes(),
-              " strides ", w.strides());
+              ("torchkiln::cpu_gemv: weight must be a contiguous 2-D tensor, got sizes " + str(w.sizes()) +
+               " strides " + str(w.strides())).c_str());
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "torchkiln::cpu_gemv: x's last dim must be ", K,
-              " (the weight's in_features), got sizes ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K,
+              ("torchkiln::cpu_gemv: x's last dim must be " + std::to_string(K) +
+               " (the weight's in_features), got sizes " + str(x.sizes())).c_str());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "torchkiln::cpu_gemv: x must be float32 or bfloat16, got ", x.scalar_type());
+              (std::string("torchkiln::cpu_gemv: x must be float32 or bfloat16, got ") +
+               c10::toString(x.scalar_type())).c_str());
   const auto wt = w.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar,
-              "torchkiln::cpu_gemv: weight must be float32, bfloat16 or int8, got ", wt);
+              (std::string("torchkiln::cpu_gemv: weight must be float32, bfloat16 or int8, got ") +
+               c10::toString(wt)).c_str());
   TORCH_CHECK(wt != at::kChar || scale.has_value(), "torchkiln::cpu_gemv: int8 weights need scale");
   at::Tensor s;
   if (scale.has_value()) {
-    TORCH_CHECK(scale->numel() == N, "torchkiln::cpu_gemv: scale must hold ", N, " values, got ",
-                scale->numel());
+    TORCH_CHECK(scale->numel() == N, ("torchkiln::cpu_gemv: scale must hold " + std::to_string(N) +
+                                      " values, got " + std::to_string(scale->numel())).c_str());
     s = scale->to(at::kFloat).contiguous();
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
