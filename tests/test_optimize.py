@@ -128,7 +128,8 @@ def test_sample_input_forms(form):
 def test_bf16_within_tolerance_and_outputs_fp32(monkeypatch):
     with_bf16(monkeypatch)
     m, x = mlp(), torch.randn(8, 32)
-    o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False)
+    # candidates="torchkiln": the float32 model as given competes otherwise, and may win on a small MLP
+    o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False, candidates="torchkiln")
     y = o(x)
     assert y.dtype == torch.float32
     rep = o.kiln_report
@@ -674,6 +675,46 @@ def test_progress_bar_while_building_candidates(capsys):
 def test_progress_must_be_a_bool():
     with pytest.raises(ValueError, match="progress='yes'"):
         tk.optimize(nn.Linear(2, 2).eval(), progress="yes")
+
+
+class SlowBelowFloat32(nn.Module):
+    """Slow whenever it runs in less than float32 (cast weights or autocast), as an LSTM in bfloat16 was
+    on the H200 (0.61x eager float32, fifteenth session)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.lin.weight.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+            time.sleep(0.004)
+        return self.lin(x)
+
+
+def test_the_float32_model_as_given_is_served_when_no_lower_precision_beats_it(monkeypatch):
+    with_bf16(monkeypatch)
+    m, x = SlowBelowFloat32().eval(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="no bfloat16 candidate beat the model as given in float32"):
+        o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False, time_budget=0.2)
+    rep = o.kiln_report
+    assert rep.active == "eager (as given, float32)" and rep.dtype_served == "float32"
+    by = {c.name: c for c in rep.candidates}
+    low = [c for c in rep.candidates if c.dtype == "bfloat16" and c.median_ms is not None]
+    assert low and all(c.median_ms > 3.0 for c in low)  # each paid the 4 ms sleep
+    assert by["eager (as given, float32)"].median_ms < 3.0
+    y = o(x)
+    assert y.dtype == torch.float32 and torch.equal(y, m(x))  # the model itself: bit-identical
+    # only torchkiln's candidates compete: the model as given is not one of them
+    o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False, candidates="torchkiln",
+                    time_budget=0.2)
+    assert o.kiln_report.dtype_served == "bfloat16"
+    assert "eager (as given, float32)" not in {c.name for c in o.kiln_report.candidates}
+
+
+def test_a_float32_request_has_one_eager_candidate():
+    o = tk.optimize(nn.Linear(8, 8).eval(), sample_input=torch.randn(2, 8), graph_mode=False, time_budget=0.1)
+    names = [c.name for c in o.kiln_report.candidates]
+    assert names.count("eager") == 1 and not any("as given" in n for n in names)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])

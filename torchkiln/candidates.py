@@ -2,7 +2,8 @@
 against the original and timed against each other.
 
     tier 0 (the requested precision):
-      the model as given, eager      "eager" (fp32) | "eager bf16-cast", "eager bf16-autocast"
+      the model as given, eager      "eager" (fp32) | "eager bf16-cast", "eager bf16-autocast",
+                                     and as given at float32: "eager (as given, float32)"
       the stock recipe               torch.compile (+freezing on CPU; default and
                                      reduce-overhead on CUDA), as stock.py builds it
       torchkiln's recipe             compiled (with and without CUDA graphs on CUDA),
@@ -194,6 +195,11 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
     if stock_ok and recipe.level != "O0":
         for r in stock.eager_recipes(dtype):
             out.append(_stock(r, original, device, conv, "eager", cast))
+        if dtype != torch.float32 and model_dtype(original) == torch.float32:
+            # The model as given competes too: a lower precision is not always faster. On the H200
+            # (fifteenth session, wild_zoo) an LSTM ran 0.61x and a GRU 0.93x of eager float32 when
+            # served in bfloat16, cast or autocast; on a CPU without native bf16 eager bf16 is emulated.
+            out.append(_stock(stock.as_given(), original, device, conv, "eager", cast))
     elif dtype != torch.float32 and not inplace and model_device(original) == device:
         base = _stock(stock.eager_recipes(dtype)[0], original, device, conv, "eager", cast)  # the plain cast
         base.serve = False

@@ -476,6 +476,8 @@ class KilnModule(OriginalFace):
         if served.kind != "torchkiln":
             what = {"eager": "the model as given (eager) was fastest", "stock": "the stock torch.compile recipe "
                     "was fastest"}.get(served.kind, "")
+            if served.dtype != self.kiln_recipe.dtype:
+                what = f"no {self.kiln_recipe.dtype} candidate beat the model as given in {served.dtype}"
             warn_once("served", f"torchkiln: nothing of torchkiln's own beat the alternatives here; "
                       f"serving {served.name!r} ({what}). See tk.report(model).", owner=self)
         elif served.tier > 0:

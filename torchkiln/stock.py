@@ -55,6 +55,11 @@ def eager_recipes(dtype: torch.dtype) -> list[StockRecipe]:
             StockRecipe(f"eager {low}-autocast", _dname(dtype), "autocast")]
 
 
+def as_given() -> StockRecipe:
+    """The float32 model as given, where a lower precision was asked for: what it is measured against."""
+    return StockRecipe("eager (as given, float32)", "float32")
+
+
 def compile_recipes(device: torch.device, dtype: torch.dtype, autotune: bool = False) -> list[StockRecipe]:
     """torch.compile the way the docs teach it: freezing on CPU; on CUDA the default
     mode, ``reduce-overhead`` (CUDA graphs) and, when asked, ``max-autotune-no-cudagraphs``."""
