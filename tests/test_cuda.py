@@ -36,7 +36,12 @@ def test_optimize_bf16_on_gpu_matches_fp32_eager(name, batch):
     by = {c.name: c for c in rep.candidates}
     assert by["torchkiln compiled (bfloat16) + CUDA graphs"].status in ("served", "passed"), str(rep)
     assert by["compile bf16-cast reduce-overhead"].median_ms is not None, str(rep)  # the stock CUDA-graph peer
-    assert rep.guard["ok"] and rep.dtype_served == "bfloat16"
+    assert rep.guard["ok"]
+    if rep.dtype_served == "float32":  # the model as given won (a tiny MLP is launch-bound): timed fastest
+        assert name == "mlp" and rep.active == "eager (as given, float32)", str(rep)
+        assert by[rep.active].median_ms == min(c.median_ms for c in rep.candidates if c.median_ms is not None)
+    else:
+        assert rep.dtype_served == "bfloat16", str(rep)
     y = o(x)
     assert y.dtype == torch.float32 and y.device.type == "cuda"
     assert ((y - ref).norm() / ref.norm()).item() <= rep.tolerance
