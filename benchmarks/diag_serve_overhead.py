@@ -11,7 +11,10 @@ transformers encoder kept tiny so the model's own work does not drown them.
 Each row is one cost (median us per call over interleaved rounds), before and after the fourteenth
 session's change where it changed. "as graph-served" is the returned model on the CUDA-graph serving
 path (outputs copied, weights checked after the call is queued), taken on this CPU with the flag set;
-there the weight check is paid while the GPU runs, which a CPU cannot show.
+there the weight check is paid while the GPU runs, which a CPU cannot show. "serving the model as
+given" is the returned model with the original itself as its served function (as when "eager" or
+"eager (as given, float32)" wins), with the weight check (before) and without it (now: that candidate
+runs the original's own tensors, so a weight change reaches it as is).
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ def main(argv=None) -> int:
     graph(**kw)
     graph._served.cuda_graphs = True  # the CUDA-graph serving path, on this CPU
     served, out, mask = fast._fn, fast(**kw), kw["attention_mask"]
+    # The returned model serving the model as given (fifteenth session: no weight check for a candidate
+    # that runs the original's own tensors), with the check (before) and without (now).
+    as_given = []
+    for live in (False, True):
+        given = tk.optimize(model, sample_input=kw, candidates="torchkiln")
+        given(**kw)
+        object.__setattr__(given, "_fn", model)
+        given._served.live_weights = live
+        as_given.append(given)
     options = dict(fast.kiln_recipe.compile_options)
 
     def patch():
@@ -78,6 +90,8 @@ def main(argv=None) -> int:
         "returned model, end to end": (lambda: fast(**kw), None),
         "as graph-served, end to end": (lambda: graph(**kw), None),
         "served candidate alone": (lambda: served(**kw), None),
+        "returned model serving the model as given": (lambda: as_given[0](**kw), lambda: as_given[1](**kw)),
+        "the model as given alone": (lambda: model(**kw), None),
     }
     fns = {(k, i): f for k, pair in rows.items() for i, f in enumerate(pair) if f is not None}
     times: dict = {k: [] for k in fns}

@@ -711,6 +711,27 @@ def test_the_float32_model_as_given_is_served_when_no_lower_precision_beats_it(m
     assert "eager (as given, float32)" not in {c.name for c in o.kiln_report.candidates}
 
 
+def test_a_model_served_as_given_sees_weight_changes_without_a_weight_check(monkeypatch):
+    """The model as given runs its own tensors at every call: a weight change reaches it as is, so the
+    per-call weight check (10-30 us on CPU) is skipped for it, and nothing is rebuilt."""
+    with_bf16(monkeypatch)
+    m, x = SlowBelowFloat32().eval(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="as given"):
+        o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False, time_budget=0.2)
+    assert o.kiln_report.active == "eager (as given, float32)"
+
+    def no_check():
+        raise AssertionError("weight check on a live-weights candidate")
+
+    object.__setattr__(o, "_stale", no_check)
+    with torch.no_grad():
+        m.lin.weight.mul_(2)  # in place: an EMA update
+        m.lin.bias = nn.Parameter(torch.ones(8))  # a new parameter
+    want = torch.nn.functional.linear(x, m.lin.weight, torch.ones(8))
+    assert torch.equal(o(x), want)
+    assert o.kiln_report.active == "eager (as given, float32)" and not o.kiln_report.fallbacks
+
+
 def test_a_float32_request_has_one_eager_candidate():
     o = tk.optimize(nn.Linear(8, 8).eval(), sample_input=torch.randn(2, 8), graph_mode=False, time_budget=0.1)
     names = [c.name for c in o.kiln_report.candidates]

@@ -51,6 +51,9 @@ class Candidate:
     python_wrapper: Callable[[], Candidate] | None = None
     serve: bool = True  # False: run only to measure the plain cast's error (the guard's baseline)
     graph_passes: bool = True  # its callable is compiled with the recipe's graph passes
+    # It runs the original's own tensors at every call (the model as given, or under autocast): a
+    # weight change reaches it without a rebuild, so serving it skips the per-call weight check.
+    live_weights: bool = False
 
 
 def applied_for(cand: Candidate) -> list[str]:
@@ -216,7 +219,8 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
         fp32 = recipe.replace(dtype="float32", dtype_mode="none").without("cast_dtype")
         out += _kiln(KilnBuild(original, fp32, sample, inplace, fallbacks), 1)
     if not inplace:
-        out.append(Candidate("original model", "original", _dtype_of(original), lambda: OnDevice(original), tier=2))
+        out.append(Candidate("original model", "original", _dtype_of(original), lambda: OnDevice(original), tier=2,
+                             live_weights=True))
     hooks = hooked(original)
     if hooks and not inplace:
         # Only candidates that call the model's own modules (eager, a cast copy, autocast) run them.
@@ -236,7 +240,7 @@ def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str, cast: 
     # The original is used as is (never changed: a cast works on a copy, one shared by the
     # recipes that cast), on its device.
     return Candidate(r.name, kind, r.dtype, lambda: stock.build(r, original, device, cudnn_benchmark=conv, cast=cast),
-                     cuda_graphs=r.cuda_graphs)
+                     cuda_graphs=r.cuda_graphs, live_weights=not r.compile and r.how != "cast")
 
 
 def _dtype_of(model: nn.Module) -> str:

@@ -141,7 +141,7 @@ class KilnModule(OriginalFace):
         # checked before, the 13-61 us of version reads were added to every call (H200 host, RESULTS.md,
         # fourteenth session). An answer computed from old weights is then dropped and recomputed.
         late = fn is not None and not new_shape and self._served.cuda_graphs
-        if fn is None or (not late and self._stale()):
+        if fn is None or (not late and not self._served.live_weights and self._stale()):
             out = self._refresh(args, kwargs)
             if out is not _RACED:
                 return out
