@@ -71,3 +71,19 @@ def test_optimize_candidates_share_the_cast_copy():
     first = cands[0].make()
     again = cands[0].make()  # a second build while the first lives: the same copy
     assert _first_weight(first).data_ptr() == _first_weight(again).data_ptr()
+
+
+def test_live_weights_is_true_exactly_for_candidates_a_weight_change_reaches():
+    """KilnModule skips its per-call weight check for candidates marked live_weights: the mark must hold
+    for what each eager candidate really does (an in-place change, as an EMA update makes)."""
+    model, x = _model(), torch.randn(4, 64)
+    recipe = Recipe(device="cpu", dtype="bfloat16", dtype_mode="cast", compile=False)
+    cands = {c.name: c for c in candidates(model, recipe, None, False, "auto", []) if c.kind in ("eager", "original")}
+    assert {"eager bf16-cast", "eager bf16-autocast", "eager (as given, float32)", "original model"} <= set(cands)
+    fns = {n: c.make() for n, c in cands.items()}
+    with torch.no_grad():
+        before = {n: f(x) for n, f in fns.items()}
+        model[0].weight.mul_(3)
+        for n, c in cands.items():
+            assert (not torch.equal(fns[n](x), before[n])) == c.live_weights, n
+    assert not cands["eager bf16-cast"].live_weights and cands["eager bf16-autocast"].live_weights
