@@ -12,11 +12,13 @@ def live_tensor_bytes() -> int:
         gc.collect()
     seen, total = set(), 0
     for o in gc.get_objects():
-        if type(o) not in (torch.Tensor, nn.Parameter) or o.device.type != "cpu":
+        if type(o) not in (torch.Tensor, nn.Parameter):
             continue
-        try:
+        try:  # opaque tensors (mkldnn; on torch 2.6 one without a device) have neither
+            if o.device.type != "cpu":
+                continue
             s = o.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # opaque (mkldnn) tensors
+        except (NotImplementedError, RuntimeError):
             continue
         if s.data_ptr() and s.data_ptr() not in seen:
             seen.add(s.data_ptr())

@@ -11,9 +11,11 @@ and nothing global stays changed.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import itertools
+import threading
 import types
 import weakref
 
@@ -90,15 +92,91 @@ class Compiled(nn.Module):
 
     def _patch(self):
         """The options' config patch for one call. Building one took 17 us and entering it 18 (2-core
-        Zen 3, torch 2.13), on every call: where patches_per_thread(), one is kept and re-entered."""
+        Zen 3, torch 2.13), on every call: where patches_per_thread(), one is kept and re-entered;
+        elsewhere concurrent calls share one (_ProcessPatch)."""
         import torch._inductor.config as inductor_config
 
         if not patches_per_thread():
-            return inductor_config.patch(self.options)
+            key = self.__dict__.get("_key")
+            if key is None:
+                key = self.__dict__["_key"] = repr(sorted(self.options.items(), key=lambda kv: kv[0]))
+            return _PROCESS_PATCH.hold(key, self.options)
         patch = self.__dict__.get("_kept_patch")
         if patch is None:
             patch = self.__dict__["_kept_patch"] = inductor_config.patch(self.options)
         return patch
+
+
+class _ProcessPatch:
+    """Inductor options for calls from many threads, where torch's config is process-wide (torch < 2.13).
+
+    A patch per call there raced: a thread leaving its patch restored the values another thread's
+    call still ran under (a compile started then lost the options: on the CPU, freezing), and a
+    patch entered inside another one restored the patched values on leaving, so they stayed set
+    for the process (tests/passes/test_compile.py). Here calls with the same options share one
+    applied patch, counted, and the last to leave restores; a call with other options waits until
+    none is inside (one model served from many threads never waits), and new calls with the active
+    options wait behind it, so it is not starved. A call made inside another in the same thread (a
+    compiled model calling another) never waits: its patch stacks on the one it is in, as a single
+    thread's patches always did."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._key: str | None = None
+        self._count = 0
+        self._waiting = 0
+        self._applied = None
+        self._depth = threading.local()
+
+    @contextlib.contextmanager
+    def hold(self, key: str, options: dict):
+        import torch._inductor.config as inductor_config
+
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        try:
+            if depth:  # nested in this thread's own call
+                if key == self._key:
+                    yield
+                else:
+                    with inductor_config.patch(options):
+                        yield
+                return
+            self._enter(key, options)
+            try:
+                yield
+            finally:
+                self._leave()
+        finally:
+            self._depth.n = depth
+
+    def _enter(self, key: str, options: dict) -> None:
+        import torch._inductor.config as inductor_config
+
+        with self._cond:
+            if self._count and (self._key != key or self._waiting):
+                self._waiting += 1
+                try:
+                    while self._count:
+                        self._cond.wait()
+                finally:
+                    self._waiting -= 1
+            if not self._count:
+                patch = inductor_config.patch(options)
+                patch.__enter__()
+                self._applied, self._key = patch, key
+            self._count += 1
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._count -= 1
+            if not self._count:
+                self._applied.__exit__(None, None, None)
+                self._applied, self._key = None, None
+                self._cond.notify_all()
+
+
+_PROCESS_PATCH = _ProcessPatch()
 
 
 @functools.cache
