@@ -6,7 +6,7 @@ call rather than ``torch.compile(options=...)``: on torch 2.13 ``options=
 oneDNN lowering then fails (``assert w.get_name() in V.graph.constants``).
 Compilation is lazy and may recur on any call (a new shape), so the patch
 wraps each call (35 us on a 2-core Zen 3; Compiled._patch halves it where torch allows),
-and nothing global stays changed.
+and nothing global stays changed, with calls from many threads too (_ProcessPatch, torch < 2.13).
 """
 
 from __future__ import annotations
