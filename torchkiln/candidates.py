@@ -202,7 +202,7 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
             # The model as given competes too: a lower precision is not always faster. On the H200
             # (fifteenth session, wild_zoo) an LSTM ran 0.61x and a GRU 0.93x of eager float32 when
             # served in bfloat16, cast or autocast; on a CPU without native bf16 eager bf16 is emulated.
-            out.append(_stock(stock.as_given(), original, device, conv, "eager", cast))
+            out.append(_stock(stock.AS_GIVEN, original, device, conv, "eager", cast))
     elif dtype != torch.float32 and not inplace and model_device(original) == device:
         base = _stock(stock.eager_recipes(dtype)[0], original, device, conv, "eager", cast)  # the plain cast
         base.serve = False

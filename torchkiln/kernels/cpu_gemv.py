@@ -110,9 +110,8 @@ def fits(x_dtype: torch.dtype, weight: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(x @ weight.T) * scale`` in x's dtype, accumulated in float32 (``load()`` first).
-    Bad operands raise ValueError here, before the op: on the H200 host (Xeon, torch 2.11, GCC 13.3)
-    the op's own TORCH_CHECK throw crashed a pytest process (SIGSEGV) that a plain script survived,
-    cause not found (benchmarks/RESULTS.md, fourteenth session); the op's checks stay as a backstop."""
+    Bad operands raise ValueError here, before the op, naming what is wrong; the op's own checks stay
+    as a backstop (their throw once crashed on the H200 image: cpu_gemv.cpp says why)."""
     why = _bad_operands(x, weight, scale)
     if why:
         raise ValueError(f"torchkiln::cpu_gemv: {why}")

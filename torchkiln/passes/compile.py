@@ -75,6 +75,7 @@ class Compiled(nn.Module):
                  dynamic: bool | None = None):
         super().__init__()
         self.options = dict(options)
+        self._options_key = repr(sorted(self.options.items()))  # _ProcessPatch's: option names are unique
         extra = _guard_filter() if private else {}
         self.compiled = torch.compile(Fresh(model), backend="inductor", fullgraph=fullgraph, dynamic=dynamic,
                                       options=extra or None)
@@ -97,10 +98,7 @@ class Compiled(nn.Module):
         import torch._inductor.config as inductor_config
 
         if not patches_per_thread():
-            key = self.__dict__.get("_key")
-            if key is None:
-                key = self.__dict__["_key"] = repr(sorted(self.options.items(), key=lambda kv: kv[0]))
-            return _PROCESS_PATCH.hold(key, self.options)
+            return _PROCESS_PATCH.hold(self._options_key, self.options)
         patch = self.__dict__.get("_kept_patch")
         if patch is None:
             patch = self.__dict__["_kept_patch"] = inductor_config.patch(self.options)
