@@ -120,3 +120,50 @@ def test_gptq_int4_on_cuda():
     assert g.kiln_report.quant_rounding == "gptq" and g.kiln_report.quant_cosine >= 0.95, g.kiln_report
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
     assert g.generate(ids, max_new_tokens=8, min_new_tokens=8, **GREEDY).shape == (1, 16)
+
+
+def _prefill_both_ways(runner, ids, mask):
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    graphed = runner.prefill(ids, mask, pos)
+    eager = runner.prefill(ids, mask, pos, graph=False)
+    return graphed, eager
+
+
+def test_prefill_graphs_match_eager_prefill_and_follow_the_cache():
+    fast = tk.llm.optimize(build("llama", seed=6).cuda(), dtype=torch.float32)
+    runner = fast._kiln_runner
+    gen = torch.Generator().manual_seed(9)
+    runner.reserve(2, 100)
+    for L in (5, 31, 33):  # widths 32, 32, 64: two graphs
+        ids = torch.randint(3, 96, (2, L), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        graphed, eager = _prefill_both_ways(runner, ids, mask)
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert sorted(key[0] for key in runner._graphs) == [32, 64]
+    runner.reserve(1, 40)  # a new cache (one row): the graphs wrote into the old one
+    assert not runner._graphs
+    graphed, eager = _prefill_both_ways(runner, ids[1:], mask[1:])
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert list(runner._graphs) == [(64, 1, runner.decoder.seq)]
+
+
+def test_a_failed_prefill_capture_prefills_eagerly(monkeypatch):
+    fast = tk.llm.optimize(build("llama", seed=6).cuda(), dtype=torch.float32)
+    runner = fast._kiln_runner
+    runner.reserve(1, 20)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(10)).cuda()
+
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("capture refused")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "CUDAGraph", Broken)
+        with pytest.warns(UserWarning, match="capturing the prefill failed"):
+            graphed, eager = _prefill_both_ways(runner, ids, torch.ones_like(ids))
+    assert torch.equal(graphed, eager)
+    assert not runner.prefill_graphs and not runner._graphs
+    assert any("prefill CUDA graph -> eager: capture refused" in f for f in fast.kiln_report.fallbacks)
+    want = fast.generate(ids, max_new_tokens=6, **GREEDY)  # then generate works, eagerly prefilled
+    assert torch.equal(want[:, :6], ids) and want.shape == (1, 12)

@@ -20,6 +20,7 @@ from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
+from . import decode_attention
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections
 from .quant import cpu_int8_rows, gptq_codes
@@ -59,6 +60,8 @@ class LLMReport:
     fallbacks: list = dataclasses.field(default_factory=list)
     cpu_gemv: str | None = None          # CPU compiled decode's one-row form, measured: "F.linear", "reduction"
                                          # (RowLinear) or "kernel" (KernelLinear); int8: "torch" or "kernel"
+    attention: str | None = None         # the decode step's one-query attention: "kernel" (CUDA,
+                                         # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,6 +75,7 @@ class LLMReport:
             lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}); "
                          f"compile s: {self.compile_s or 'not yet'}")
             lines.append(f"  verified against the model's forward: max rel error {self.verify_error:.2e}")
+            lines.append(f"  decode attention: {self.attention}")
             if self.cpu_gemv:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
         for f in self.fallbacks:
@@ -168,6 +172,11 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
                          f"{spec.max_positions}")
     decoder = FastDecoder(spec, parts)
+    report.attention = "matmul" if target.type == "cpu" else "sdpa"
+    if decode_attention.wanted(target):
+        report.attention = "kernel"
+        for layer in decoder.layers:
+            layer.decode_kernel = True
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
     elif target.type == "cpu" and compile:
@@ -214,7 +223,7 @@ def _fast_logits(runner: Runner, ids: torch.Tensor, prompt: int) -> list:
     d = runner.decoder
     runner.reserve(ids.shape[0], ids.shape[1])
     pos = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-    out = [runner.prefill(ids[:, :prompt], torch.ones_like(ids[:, :prompt]), pos[:, :prompt])]
+    out = [runner.prefill(ids[:, :prompt], torch.ones_like(ids[:, :prompt]), pos[:, :prompt], graph=False)]
     for t in range(prompt, ids.shape[1]):
         out.append(d(ids[:, t:t + 1], torch.tensor([t], device=ids.device), pos[:, t:t + 1]))
     return out

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..kernels import cpu_gemv
 from ..timing import interleaved
+from . import decode_attention
 from .spec import DecoderSpec, Parts
 
 _fresh_ids = itertools.count()
@@ -276,6 +277,7 @@ class Layer(nn.Module):
         # buffers, so the compiler (and CUDA graphs) treat the cache as static state
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        self.decode_kernel = False  # one-query steps through decode_attention (set for CUDA decoders)
 
     def attention(self, x, cos, sin, slots, mask):
         s = self.spec
@@ -294,7 +296,9 @@ class Layer(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
-        if x.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
+        if self.decode_kernel and decode_attention.usable(q, self.k_cache):
+            o = decode_attention.attend(q, self.k_cache, self.v_cache, mask, self.scaling)
+        elif x.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
             o = grouped_attention(q, self.k_cache, self.v_cache, mask, self.scaling)
         else:
             # grouped KV heads go to SDPA as they are (enable_gqa, torch >= 2.5): expanding the whole
@@ -353,10 +357,11 @@ class FastDecoder(nn.Module):
         self.batch, self.seq = batch, seq
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                every: bool = False) -> torch.Tensor:
+                every: bool = False, last: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tokens`` (B, T) into cache ``slots`` (T,) at ``positions`` (B, T); return the
         last position's logits (B, vocab) in float32, as transformers' generate scores them
-        (``every``: all positions' logits, (B, T, vocab), for checking speculated tokens)."""
+        (``every``: all positions' logits, (B, T, vocab), for checking speculated tokens;
+        ``last``: a (1,) tensor, the position whose logits to return, for a padded prompt)."""
         s = self.spec
         x = self.embed(tokens)
         cos = sin = None
@@ -375,4 +380,5 @@ class FastDecoder(nn.Module):
             x = layer(x, cos, sin, slots, mask)
         if every:
             return self.head(self.norm(x)).float()
-        return self.head(self.norm(x[:, -1:]))[:, 0].float()
+        x = x[:, -1:] if last is None else x.index_select(1, last)
+        return self.head(self.norm(x))[:, 0].float()

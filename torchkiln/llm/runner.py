@@ -1,7 +1,9 @@
 """The decode engine behind a fast generate(): the FastDecoder, its cache, and the compiled steps.
 
-Prefill runs the decoder eagerly: its length changes with every prompt, it runs once per
-generate, and at batch 1 its cost is the same weight read as one decode step. The decode
+Prefill runs the decoder uncompiled: its length changes with every prompt and it runs once per
+generate. On CUDA a short prompt's prefill is replayed from a CUDA graph captured per padded
+width (no compile, a capture costs about two eager calls): eagerly it is ~700 small launches
+whose host cost, not the weight read, set its time. The decode
 step (batch B, one token) is compiled once per (batch, cache length) with static shapes;
 on CUDA with CUDA graphs (mode="reduce-overhead"), because at batch 1 the step is a few
 hundred small kernels whose launch cost, not the weight read, is what an eager step pays.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +28,22 @@ CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length co
 # "triton.cudagraphs" is what mode="reduce-overhead" sets; coordinate-descent tuning tunes the
 # batch-1 GEMV/reduction kernels' launch configs (gpt-fast sets it globally).
 CUDA_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+# Prompts up to this wide prefill through CUDA graphs, padded on the right to a multiple of
+# PREFILL_ROUND (at most 256 / 32 = 8 graphs per cache shape, sharing one memory pool). Wider
+# prompts are compute-bound: launches are a small share of their time.
+PREFILL_GRAPH_MAX = 256
+PREFILL_ROUND = 32
+
+
+class _Prefill(NamedTuple):
+    """A captured prefill and the memory it reads and writes: each tensor must live as long as
+    the graph (a freed input's memory would be reused under it)."""
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    last: torch.Tensor
+    slots: torch.Tensor
+    out: torch.Tensor
 
 
 class Runner:
@@ -35,6 +54,9 @@ class Runner:
         self.max_seq_len, self.report = max_seq_len, report
         self._steps: dict = {}  # (kind, width, batch, cache length) -> the step that runs it
         self.options = dict(CUDA_OPTIONS) if cudagraphs else {}
+        self.prefill_graphs = cudagraphs  # off for good after a failed capture
+        self._graphs: dict = {}  # (width, batch, cache length) -> a captured prefill
+        self._pool = None
 
     def reserve(self, batch: int, need: int) -> None:
         """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
@@ -55,14 +77,64 @@ class Runner:
             return
         seq = self.max_seq_len or min(limit, -(-need // CACHE_ROUND) * CACHE_ROUND)
         d.setup_cache(batch, seq)
+        self._graphs.clear()  # they write into the old cache
+        self._pool = None  # freed with its last graph: capturing into it again fails an allocator assert
         self.report.cache = {"batch": batch, "seq": seq}
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                graph: bool = True) -> torch.Tensor:
+        """The last position's logits for prompt ``ids`` (B, L), its keys and values written
+        into cache slots 0..L-1. ``graph=False``: eagerly (the build's checks, which run before
+        quantization replaces modules a captured graph would still call)."""
         d = self.decoder
+        L = ids.shape[1]
         d.key_ok.fill_(True)
-        d.key_ok[:, :ids.shape[1]] = mask.bool()
-        return d(ids, torch.arange(ids.shape[1], device=self.device), positions)
+        d.key_ok[:, :L] = mask.bool()
+        width = -(-L // PREFILL_ROUND) * PREFILL_ROUND
+        if graph and self.prefill_graphs and width <= min(PREFILL_GRAPH_MAX, d.seq):
+            entry = self._graphs.get((width, d.batch, d.seq)) or self._capture(width)
+            if entry is not None:
+                # right padding: its slots L..width-1 get keys no real query reaches (a query
+                # attends slots up to its own) and each decode step overwrites before it reads
+                entry.tokens.zero_()
+                entry.tokens[:, :L] = ids
+                entry.positions.zero_()
+                entry.positions[:, :L] = positions
+                entry.last.fill_(L - 1)
+                entry.graph.replay()
+                return entry.out.clone()  # the pool's buffer is the next replay's
+        return d(ids, torch.arange(L, device=self.device), positions)
+
+    def _capture(self, width: int):
+        """A CUDA graph of the eager prefill at ``width``; None (and eager from then on) if
+        capture fails."""
+        d = self.decoder
+        dev = self.device
+        tokens = torch.zeros(d.batch, width, dtype=torch.long, device=dev)
+        pos = torch.zeros_like(tokens)
+        last = torch.zeros(1, dtype=torch.long, device=dev)
+        slots = torch.arange(width, device=dev)
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):  # warm-up outside capture: lazy library state
+                d(tokens, slots, pos, last=last)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                out = d(tokens, slots, pos, last=last)
+        except Exception as e:  # noqa: BLE001
+            if is_oom(e):
+                raise
+            self.prefill_graphs = False
+            self.report.fallbacks.append(f"prefill CUDA graph -> eager: {first_line(e)}")
+            warn_once("llm-prefill-graph", f"torchkiln.llm: capturing the prefill failed ({first_line(e)}); "
+                      "prefilling eagerly", owner=self)
+            return None
+        entry = self._graphs[(width, d.batch, d.seq)] = _Prefill(g, tokens, pos, last, slots, out)
+        return entry
 
     @torch.no_grad()
     def decode(self, token: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
