@@ -167,3 +167,28 @@ def test_a_failed_prefill_capture_prefills_eagerly(monkeypatch):
     assert any("prefill CUDA graph -> eager: capture refused" in f for f in fast.kiln_report.fallbacks)
     want = fast.generate(ids, max_new_tokens=6, **GREEDY)  # then generate works, eagerly prefilled
     assert torch.equal(want[:, :6], ids) and want.shape == (1, 12)
+
+
+def test_prefill_graphs_survive_empty_cache_other_captures_and_other_models():
+    """A captured prefill must not read memory something else can free: torch.cuda.graph() empties the
+    cache (cuBLAS workspaces included) at every capture, users call empty_cache, other models capture.
+    Freed memory is overwritten with NaN between the calls, so a dangling read shows in the tokens."""
+    fast = tk.llm.optimize(build("llama", seed=14, hidden_size=128, intermediate_size=256).cuda(),
+                           dtype=torch.float32)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(15)).cuda()
+    want = fast.generate(ids, max_new_tokens=8, **GREEDY)
+    other = tk.llm.optimize(build("llama", seed=16).cuda(), dtype=torch.float32)
+    other.generate(ids, max_new_tokens=4, **GREEDY)  # its own prefill capture and compiled step
+    a = torch.randn(64, 64, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # an unrelated capture with a cuBLAS call
+        a @ a
+    del g
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    junk = torch.full((int(free * 0.5) // 4,), float("nan"), device="cuda")  # reuse what was freed
+    del junk
+    torch.cuda.empty_cache()
+    for _ in range(2):
+        assert torch.equal(fast.generate(ids, max_new_tokens=8, **GREEDY), want)
+    torch.cuda.synchronize()
