@@ -308,6 +308,29 @@ def test_small_output_badly_wrong_is_caught():
     assert not verdict(bad, ref, [1e-2, 1e-2]).ok
 
 
+class _KeylessOut:
+    """An output type registered as a pytree node without key paths, as transformers 4.x's ModelOutput
+    is on torch 2.6."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def test_the_guard_compares_outputs_whose_pytree_node_has_no_key_paths():
+    import torch.utils._pytree as pytree
+
+    from torchkiln.guard import compare
+
+    if _KeylessOut not in pytree.SUPPORTED_NODES:
+        pytree.register_pytree_node(_KeylessOut, lambda o: ([o.logits], None), lambda v, c: _KeylessOut(v[0]))
+    ref = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    flipped = ref.clone()
+    flipped[1] = torch.tensor([1.0, 2.0, 3.0])  # row 1's argmax moves; judged as logits by shape (2-D)
+    err = compare(_KeylessOut(flipped), _KeylessOut(ref))
+    want = float((flipped - ref).norm() / ref.norm())
+    assert err.rel == pytest.approx(want) and err.argmax_agree == pytest.approx(0.5)
+
+
 def test_tolerance_follows_the_plain_cast_baseline():
     from torchkiln.guard import Error, tolerances
 

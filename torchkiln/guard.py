@@ -61,7 +61,9 @@ def _logit_paths(obj) -> list[bool]:
     """For each tensor leaf: is it logits (an HF ``logits`` field, or a 2-D (N, C) output)?"""
     try:
         leaves, _ = pytree.tree_flatten_with_path(obj)
-    except AttributeError:  # old torch: no paths, judge by shape alone
+    except (AttributeError, ValueError):
+        # old torch: no paths; or a pytree node registered without key paths (transformers 4.x's
+        # ModelOutput on torch 2.6: "Did not find a flatten_with_keys_fn"): judge by shape alone
         return [t.dim() == 2 for t in flatten(obj)]
     return [any("logits" in str(k) for k in path) or t.dim() == 2 for path, t in leaves if isinstance(t, torch.Tensor)]
 

@@ -87,13 +87,19 @@ def test_left_pads_without_a_mask_are_inferred_as_transformers_does(models):
     assert torch.equal(inferred_mask(ids, 0, (2,))[0], (torch.arange(8) >= 3).long())
 
 
-def test_each_compiled_step_has_its_own_dynamo_cache(monkeypatch):
+def test_each_compiled_step_has_its_own_dynamo_cache():
     """Models and cache shapes in one process do not share one dynamo cache entry list: with the
     recompile limit at 1, two models and two batch sizes still each decode compiled and exact."""
     import torch._dynamo.config as dc
 
     knob = "recompile_limit" if hasattr(dc, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(dc, knob, 1)
+    # dynamo's own patch, not monkeypatch: on torch 2.6 monkeypatch's undo left the config module
+    # without the key, and every later compile failed (AttributeError: ... does not exist)
+    with dc.patch(**{knob: 1}):
+        _two_models_two_batches()
+
+
+def _two_models_two_batches():
     for seed in (32, 33):
         model = build("llama", seed=seed)
         fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
