@@ -692,3 +692,26 @@ def test_gptq_from_calibration_prompts():
     assert plain.kiln_report.quant_rounding == "nearest"
     with pytest.raises(ValueError, match="calib_data= chooses the rounding"):
         tk.llm.optimize(model, calib_data=calib)
+
+
+def test_an_embedding_scale_applied_in_the_forward_is_read_by_running_it():
+    """transformers 4.x's Gemma multiplies the embeddings by sqrt(hidden) inside its model's forward, not
+    in the embedding module. Simulated here on Llama with a hook scaling the first layer's input: the
+    spec reads the factor, and greedy tokens and logits still match the model's own."""
+    model = build("llama", seed=41)
+    first = model.model.layers[0]
+    handle = first.register_forward_pre_hook(
+        lambda mod, args, kwargs: ((args[0] * 3.0, *args[1:]), kwargs) if args else
+        (args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 3.0}), with_kwargs=True)
+    try:
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+        assert fast.kiln_report.path == "fast" and fast.kiln_report.spec["embed_scale"] == pytest.approx(3.0)
+        ids = prompt(seed=42)
+        got = fast.generate(ids, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        ref = model.generate(ids, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        assert torch.equal(got.sequences, ref.sequences)
+        for g, r in zip(got.logits, ref.logits, strict=True):
+            assert float((g - r).norm() / r.norm()) <= 1e-4
+    finally:
+        handle.remove()
+    assert tk.llm.optimize(model, dtype=torch.float32, compile=False).kiln_report.spec["embed_scale"] is None

@@ -55,6 +55,16 @@ def _is_off(value, neutral) -> bool:
     return value is None or value == neutral or (neutral is None and value in (0, 1.0, False, [], ()))
 
 
+def _library_max_length():
+    """transformers' own GenerationConfig default for max_length: 20 in 4.x, None in 5.x."""
+    try:
+        import transformers
+
+        return transformers.GenerationConfig().max_length
+    except Exception:  # noqa: BLE001 - no transformers (a duck-typed model): nothing to mirror
+        return None
+
+
 def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
     """Merge kwargs over generation_config over the model's generation_config over
     transformers' defaults; raise Fallback naming an argument the fast path does not take."""
@@ -95,6 +105,10 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
     if new is None and max_length is None:
         new = configured("max_new_tokens")
         max_length = configured("max_length") if new is None else None
+        if max_length is not None and max_length == _library_max_length():
+            # transformers 4.x: every config carries its default max_length=20, and generate reads
+            # a config's max_length equal to that default as unset (prompt + 20, not 20 in all)
+            max_length = None
     if new is None and max_length is None:
         # nothing set anywhere: transformers adds its default 20 tokens to the prompt (not 20 in all),
         # within the model's positions

@@ -333,7 +333,7 @@ class FastDecoder(nn.Module):
         self.head = linear_of(parts.head.weight, parts.head.bias)
         self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
         self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
-        for name in ("key_ok", "slot_ids", "cos", "sin"):
+        for name in ("key_ok", "slot_ids", "cos", "sin", "embed_mult"):
             self.register_buffer(name, None, persistent=False)
         self.batch = self.seq = 0
 
@@ -347,6 +347,9 @@ class FastDecoder(nn.Module):
             layer.v_cache = torch.zeros(batch, s.n_kv_heads, seq, s.head_dim, dtype=dtype, device=dev)
         self.key_ok = torch.ones(batch, seq, dtype=torch.bool, device=dev)  # False: a padding slot
         self.slot_ids = torch.arange(seq, device=dev)
+        # in the model's dtype, as transformers rounds it (Gemma: sqrt(3072) = 55.5 in bf16); a
+        # buffer, not made per call: a CUDA-graph capture cannot copy a scalar from the host
+        self.embed_mult = None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype, device=dev)
         if self._inv_freq is not None:
             # transformers' rotary: fp32 angles pos * inv_freq, cos/sin scaled, then cast
             pos = torch.arange(seq, device=dev, dtype=torch.float32)
@@ -364,6 +367,8 @@ class FastDecoder(nn.Module):
         ``last``: a (1,) tensor, the position whose logits to return, for a padded prompt)."""
         s = self.spec
         x = self.embed(tokens)
+        if self.embed_mult is not None:
+            x = x * self.embed_mult
         cos = sin = None
         if s.positions == "learned":
             x = x + F.embedding(positions + s.position_offset, self.pos_embed.weight)

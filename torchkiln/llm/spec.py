@@ -51,6 +51,7 @@ class DecoderSpec:
     scaling: tuple           # attention scale per layer
     max_positions: int
     sliding_window: int | None
+    embed_scale: float | None = None  # what the forward multiplies embeddings by (read by running it)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +134,47 @@ def _attention(block: nn.Module) -> tuple[nn.Module, dict]:
         if any(n in FUSED_QKV for n in projs) or any(all(n in projs for n in s) for s in SPLIT_QKV):
             return c, projs
     raise Unsupported(f"{type(block).__name__} has no attention module with q/k/v projections")
+
+
+class _Seen(Exception):
+    """Stops a probe forward once the first layer's input is seen."""
+
+
+def _embedding_scale(model: nn.Module, embed: nn.Module, first: nn.Module, hidden: int) -> float | None:
+    """The factor the model's forward puts on the embedding output before the first layer, read by
+    running it on three tokens up to that layer; None when the layer sees the embedding as it is.
+    Why a probe: transformers 4.x's Gemma scales by sqrt(hidden) inside GemmaModel.forward (5.x in
+    its embedding module), and no config field says so; without it the fast decoder's logits were
+    1.19 relative off and Gemma ran the stock path (torch 2.6 + transformers 4.57, sixteenth session)."""
+    seen = {}
+
+    def grab(mod, args, kwargs):
+        seen["h"] = (args[0] if args else kwargs.get("hidden_states")).detach()
+        raise _Seen
+
+    ids = (torch.arange(1, 4) % embed.weight.shape[0])[None].to(embed.weight.device)
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except _Seen:
+        pass
+    except Exception:  # noqa: BLE001 - no probe: the build's check against the forward still judges
+        return None
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        e = embed(ids).float()
+    h = seen.get("h")
+    if not isinstance(h, torch.Tensor) or h.shape != e.shape:
+        return None
+    h = h.float()
+    if torch.allclose(h, e):
+        return None
+    c = float((h * e).sum() / (e * e).sum().clamp_min(1e-30))
+    if not torch.allclose(h, e * c, rtol=1e-2, atol=1e-3 * float(h.abs().max())):
+        return None  # not a plain scale: left to the check against the forward
+    return hidden ** 0.5 if abs(c / hidden ** 0.5 - 1) < 1e-2 else c  # Gemma's sqrt(hidden), exactly
 
 
 def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
@@ -242,7 +284,8 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         parallel_residual=bool(getattr(config, "use_parallel_residual", False)), qk_norm=qk_norm,
         scaling=tuple(scalings), max_positions=int(_cfg(config, "max_position_embeddings", "n_positions",
                                                         default=2048)),
-        sliding_window=int(window) if window else None)
+        sliding_window=int(window) if window else None,
+        embed_scale=_embedding_scale(model, embed, layers[0], hidden) if positions == "rotary" else None)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
                   rotary.inv_freq if rotary is not None else None,
                   float(getattr(rotary, "attention_scaling", 1.0)) if rotary is not None else 1.0)
