@@ -170,9 +170,11 @@ def test_a_failed_prefill_capture_prefills_eagerly(monkeypatch):
 
 
 def test_prefill_graphs_survive_empty_cache_other_captures_and_other_models():
-    """A captured prefill must not read memory something else can free: torch.cuda.graph() empties the
-    cache (cuBLAS workspaces included) at every capture, users call empty_cache, other models capture.
-    Freed memory is overwritten with NaN between the calls, so a dangling read shows in the tokens."""
+    """A captured prefill must not use memory something else can free: the compiled decode step's
+    CUDA-graph trees drop cuBLAS's workspaces around every recording (a workspace baked into the
+    prefill graph from an earlier eager call would be freed under it), torch.cuda.graph() and users
+    empty the cache, other models capture. Freed memory is overwritten with NaN and released between
+    the calls, so a dangling read shows in the tokens and a dangling write as a CUDA error."""
     fast = tk.llm.optimize(build("llama", seed=14, hidden_size=128, intermediate_size=256).cuda(),
                            dtype=torch.float32)
     ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(15)).cuda()
