@@ -75,7 +75,10 @@ class Runner(nn.Module):
         return self.fast(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        # no next(iterator, default): dynamo traces this forward, and torch 2.6's dynamo cannot take a
+        # default there ("invalid handler args ... call_next"), so every compiled candidate failed on 2.6
+        floats = [t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()]
+        out_dtype = floats[0] if floats else torch.float32
         args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
         if self.router is not None:
             with self.router:

@@ -184,7 +184,9 @@ def bind_sdpa(args, kwargs) -> dict:
     """SDPA's arguments by name, defaults filled in."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-    bound = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
+    # no zip(..., strict=False): dynamo traces this (inside compiled callers), and torch 2.6's
+    # dynamo read any strict= as strict, so every compiled candidate with attention failed there
+    bound = {**defaults, **{names[i]: a for i, a in enumerate(args)}, **kwargs}
     return bound
 
 
