@@ -5,6 +5,7 @@ model's own generate for anything the fast path does not do."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -55,8 +56,10 @@ def _is_off(value, neutral) -> bool:
     return value is None or value == neutral or (neutral is None and value in (0, 1.0, False, [], ()))
 
 
+@functools.cache
 def _library_max_length():
-    """transformers' own GenerationConfig default for max_length: 20 in 4.x, None in 5.x."""
+    """transformers' own GenerationConfig default for max_length: 20 in 4.x, None in 5.x (read once:
+    building a GenerationConfig on every generate() call is work for nothing)."""
     try:
         import transformers
 

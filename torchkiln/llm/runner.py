@@ -35,12 +35,6 @@ PREFILL_GRAPH_MAX = 256
 PREFILL_ROUND = 32
 
 
-def _clear_cublas_workspaces() -> None:
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
-
 class _Prefill(NamedTuple):
     """A captured prefill and the memory it reads and writes: each tensor must live as long as
     the graph (a freed input's memory would be reused under it)."""
@@ -132,15 +126,13 @@ class Runner:
             # cuBLAS keeps one workspace per stream and the graph bakes its address in. Dropped
             # first, the capture allocates it inside this graph's pool; else it would be the block
             # an earlier eager call made, which the compiled decode step's CUDA-graph trees free
-            # when they clear cuBLAS workspaces around each recording, and this graph would write
-            # into freed memory. Dropped again after, so eager calls do not run in this pool. torch's
-            # cudagraph trees clear before and after capture for the same reason (clear_cublas_manager).
-            _clear_cublas_workspaces()
-            try:
-                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                    out = d(tokens, slots, pos, last=last)
-            finally:
-                _clear_cublas_workspaces()
+            # when they drop cuBLAS workspaces around each recording, and this graph would write
+            # into freed memory. Dropped again after, so eager calls do not run in this pool: torch's
+            # own context for its cudagraph trees, which clear for the same reason.
+            from torch._inductor.cudagraph_trees import clear_cublas_manager
+
+            with clear_cublas_manager(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                out = d(tokens, slots, pos, last=last)
         except Exception as e:  # noqa: BLE001
             if is_oom(e):
                 raise
