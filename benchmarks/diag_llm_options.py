@@ -14,6 +14,7 @@ import torch
 import torchkiln as tk
 from torchkiln.llm import bench
 from torchkiln.llm.model import cublas_projections
+from torchkiln.quantization import gemv
 
 VARIANTS = {
     "cudagraphs": {"triton.cudagraphs": True},
@@ -45,11 +46,19 @@ def main():
         fasts[name] = f
     from torchkiln.llm import quant as llm_quant
 
-    for q in [q for q in a.quant.split(",") if q]:  # int4-tinygemm / -torchao / -triton: force one kernel
-        llm_quant.INT4_IMPL = q.split("-")[1] if "-" in q else "auto"
+    # int4-tinygemm / -torchao / -triton: force one int4 kernel; a "-bytes" suffix: the per-byte
+    # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels
+    for q in [q for q in a.quant.split(",") if q]:
+        impl = [p for p in q.split("-")[1:] if p != "bytes"]
+        llm_quant.INT4_IMPL = impl[0] if impl else "auto"
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
     llm_quant.INT4_IMPL = "auto"
+
+    def one_row(name):  # set before every call: a graph (re)captured then takes that kernel
+        gemv.ONE_ROW = "bytes" if name.endswith("-bytes") else "auto"
+
     for name, f in fasts.items():
+        one_row(name)
         torch.cuda.synchronize()
         t = time.perf_counter()
         f.generate(ids, max_new_tokens=a.new, **kw)
@@ -61,6 +70,7 @@ def main():
     times = {n: {"n": [], "1": []} for n in fasts}
     for _ in range(a.rounds):
         for name, f in fasts.items():
+            one_row(name)
             for key, n in (("n", a.new), ("1", 1)):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
@@ -70,18 +80,19 @@ def main():
     wb = bench.weight_bytes(model, None)
     bw = bench.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; bf16 weights {wb / 1e9:.2f} GB")
-    print("| variant | tok/s (128 new) | decode ms/token | decode tok/s | weight GB/s | % copy bw |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | tok/s (128 new) | 1-token call ms | decode ms/token | decode tok/s | weight GB/s | % copy bw |")
+    print("|---|---|---|---|---|---|---|")
     for name in fasts:
         tn, t1 = statistics.median(times[name]["n"]), statistics.median(times[name]["1"])
         dec = (tn - t1) / (a.new - 1)
         q = name.split("-")[0] if name.startswith("int") else None
         gbps = bench.weight_bytes(model, q) / dec / 1e9
-        print(f"| {name} | {a.new / tn:.1f} | {dec * 1e3:.2f} | {1 / dec:.1f} | {gbps:.0f} | {100 * gbps * 1e9 / bw:.0f}% |")
+        print(f"| {name} | {a.new / tn:.1f} | {t1 * 1e3:.1f} | {dec * 1e3:.2f} | {1 / dec:.1f} | {gbps:.0f} | {100 * gbps * 1e9 / bw:.0f}% |")
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
         for name, f in fasts.items():
+            one_row(name)
             with profile(activities=[ProfilerActivity.CUDA]) as p:
                 t = time.perf_counter()
                 f.generate(ids, max_new_tokens=16, **kw)

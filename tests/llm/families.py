@@ -31,12 +31,13 @@ def _configs():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2", "gpt_neox", "opt")
 
 
-def build(name: str, seed: int = 0, peak: float = 4.0):
+def build(name: str, seed: int = 0, peak: float = 4.0, **sizes):
+    """A random model of family ``name``; ``sizes`` override its config's fields (hidden_size=...)."""
     import transformers as T
 
     cls, kw = _configs()[name]
     torch.manual_seed(seed)
-    config = cls(**kw, **COMMON)
+    config = cls(**{**kw, **sizes}, **COMMON)
     model = T.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():  # random-init weights are small; make every layer matter

@@ -69,10 +69,12 @@ def _dequantized(q) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("n,k,rows,group", [(4096, 4096, 1, 128), (1000, 1536, 3, 128), (33, 320, 2, 64),
-                                            (17, 256, 4, 32)])
+                                            (17, 256, 4, 32), (1000, 1536, 1, 128), (33, 320, 1, 64),
+                                            (17, 192, 1, 32)])
 def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
     """The Triton GEMVs (eager and inside a compiled, CUDA-graphed function) against a float matmul
-    over the dequantized weight; odd N and group counts exercise the masked tails."""
+    over the dequantized weight; odd N and group counts exercise the masked tails, and one row with
+    5 groups or 48 words a row the one-row kernels' smallest tiles."""
     from torchkiln.quantization import gemv
     from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
@@ -90,6 +92,25 @@ def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
     assert not gemv.usable(wide, k)
     err = float((q(wide).float() - (wide.float() @ _dequantized(q).t() + lin.bias.float())).norm())
     assert err / float((wide.float() @ _dequantized(q).t()).norm()) < 8e-3
+
+
+@pytest.mark.parametrize("mode", ["words", "bytes"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (33, 320, 64), (17, 192, 32), (70, 14336, 128)])
+def test_one_row_kernels_both_forms(mode, kind, n, k, group, monkeypatch):
+    """Each one-row kernel (gemv.ONE_ROW picks by size when "auto", so force each) against a float
+    matmul over the dequantized weight."""
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
+
+    monkeypatch.setattr(gemv, "ONE_ROW", mode)
+    torch.manual_seed(n * k)
+    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    q = Int8Linear(lin) if kind == "int8" else Int4Linear(lin, group)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ _dequantized(q).t()
+    err = float((q(x).float() - ref).norm() / ref.norm())
+    assert err < 8e-3, err
 
 
 @pytest.mark.parametrize("n,k,rows,group", [(4096, 4096, 1, 128), (1024, 1536, 3, 64), (256, 512, 16, 32)])

@@ -13,7 +13,8 @@ The kernels stream the weight once, in wide row-major tiles, and dequantize in r
   low nibble column j of a group and the high nibble column j + G/2 (so both halves meet
   contiguous slices of x). Per group the kernel sums ``q * x`` and applies scale and zero once.
 
-All rows of x (at most MAX_ROWS: decode batches) go through one program per weight tile, so
+One-row calls read the weights as 32-bit words (fewer integer operations per value; see the
+kernels). All rows of x (at most MAX_ROWS: decode batches) go through one program per weight tile, so
 the weight is read once; wider inputs (prefill) take the matmul expression instead. Registered
 as custom ops (``torchkiln::``), so torch.compile and CUDA graphs see one opaque call; the launch
 configuration is tuned per weight shape on first use, which ``warm()`` does before any graph is
@@ -26,6 +27,14 @@ import importlib.util
 import torch
 
 MAX_ROWS = 4  # decode rows served by the kernels (prefill takes the expression)
+# One-row calls: "auto" (int4: the 32-bit-word kernel; int8: the word kernel for weights of at
+# least WORDS_MIN values, the per-byte one below that), or "words" / "bytes" everywhere (for
+# benchmarks/diag_gemv_variants.py's side-by-side). Read at call time. On the H200 the int8 word
+# kernel ran Llama-3-8B's gate/up and head 0.8-2.3 and 10-13 us faster than the byte kernel, and
+# q/k/v, o and down 0.1-0.8 us slower (two runs, RESULTS.md "One-row GEMVs on 32-bit words").
+ONE_ROW = "auto"
+WORDS_MIN = 64 << 20
+KERNELS: dict = {}  # name -> the Triton kernel, once registered (benchmarks read their tuned configs)
 
 
 @functools.cache
@@ -180,6 +189,110 @@ def _register() -> None:
         tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & keep[None, :])
 
+    # One row, weights read as 32-bit words. Per word, each 8-bit (int8) or 4-bit (int4) field is
+    # masked in place and ORed into 2^23's bits: the float 2^23 + field * 2^(position). A field
+    # stays in the 23 mantissa bits up to bit 20 (int4) or 16 (int8), so one shift per word brings
+    # the rest down; the power of two goes into the matching x instead (exact). That is ~1.1
+    # integer operations per int4 value and 1.5 per int8 value, against ~2 and ~3 shifting every
+    # field to bit 0 (the byte kernels). Measured on the H200 (RESULTS.md, "One-row GEMVs on 32-bit
+    # words"): int4 1.02-1.28x the byte kernel (with the next tile's load issued before the current
+    # one is used, and 64-row tiles on the large shapes), int8 mixed (ONE_ROW above); neither
+    # reached tinygemm's int4 (gate/up 39.2 us against 33.7), so fewer integer operations were not
+    # what bounds these kernels.
+    def _fits_words(configs, named_args, **kw):  # whole tiles along K (K % 64 == 0: usable())
+        k = named_args["K"]
+        return [c for c in configs if (k // 4) % c.kwargs.get("BLOCK_W", 1) == 0
+                and (k // named_args.get("G", 1)) % c.kwargs.get("R", 1) == 0]
+
+    configs8w = [triton.Config({"BLOCK_N": n, "BLOCK_W": w}, num_warps=nw, num_stages=st)
+                 for n, w, nw, st in ((8, 128, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 4),
+                                      (32, 64, 4, 3), (32, 64, 8, 4), (32, 128, 8, 3), (4, 256, 4, 3),
+                                      (4, 512, 4, 3), (8, 256, 8, 3), (8, 512, 8, 3), (16, 256, 8, 3),
+                                      (32, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3), (16, 16, 4, 4))]
+
+    @triton.autotune(configs=configs8w, key=["N", "K"], prune_configs_by={"early_config_prune": _fits_words})
+    @triton.jit
+    def _int8_words(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, BLOCK_W)
+        keep = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * (K // 4) + rw[None, :]
+        x_ptrs = x_ptr + 4 * rw  # byte t of word j is column 4j + t
+        acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for _ in range(0, K // (4 * BLOCK_W)):
+            # each byte's sign bit flipped (0x80808080): the unsigned byte is the weight + 128
+            w = tl.load(w_ptrs, mask=keep[:, None], other=0) ^ -0x7F7F7F80
+            top = w >> 16
+            for t in tl.static_range(4):
+                xv = tl.load(x_ptrs + t).to(tl.float32)
+                xsum += xv
+                if t < 2:
+                    bits = (w & (0xFF << (8 * t))) | 0x4B000000
+                else:
+                    bits = (top & (0xFF << (8 * (t - 2)))) | 0x4B000000
+                if t % 2 == 1:
+                    xv = xv * (1.0 / 256)
+                acc += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xv[None, :]
+            w_ptrs += BLOCK_W
+            x_ptrs += 4 * BLOCK_W
+        scale = tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        out = (tl.sum(acc, axis=1) - 128.0 * tl.sum(xsum, axis=0)) * scale
+        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+
+    configs4w = [triton.Config({"BLOCK_N": n, "R": r}, num_warps=nw, num_stages=st)
+                 for n, r, nw, st in ((8, 4, 4, 3), (16, 2, 4, 3), (16, 4, 4, 3), (16, 4, 8, 3), (32, 2, 4, 3),
+                                      (32, 2, 8, 4), (32, 4, 8, 3), (4, 8, 4, 3), (8, 8, 8, 3), (64, 1, 8, 3),
+                                      (32, 4, 4, 3), (64, 2, 4, 3), (64, 2, 8, 3), (32, 8, 8, 3), (16, 8, 4, 3),
+                                      (64, 4, 8, 3), (128, 1, 4, 3), (128, 2, 8, 3), (16, 1, 4, 4))]
+
+    @triton.autotune(configs=configs4w, key=["N", "K", "G"], prune_configs_by={"early_config_prune": _fits_words})
+    @triton.jit
+    def _int4_words(x_ptr, p_ptr, s_ptr, z_ptr, o_ptr, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                    R: tl.constexpr):
+        W: tl.constexpr = G // 8  # words per row of a group
+        HALF: tl.constexpr = G // 2
+        groups = K // G
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rr = tl.arange(0, R)
+        rw = tl.arange(0, W)
+        keep = rn < N
+        w_ptrs = p_ptr + rn[:, None, None].to(tl.int64) * (K // 8) + rr[None, :, None] * W + rw[None, None, :]
+        x_ptrs = x_ptr + rr[:, None] * G + 4 * rw[None, :]
+        q_ptrs = rn[:, None].to(tl.int64) * groups + rr[None, :]  # scale and zero offsets
+        acc = tl.zeros((BLOCK_N, R, W), dtype=tl.float32)
+        acc_z = tl.zeros((BLOCK_N, R), dtype=tl.float32)
+        steps = groups // R
+        nxt = tl.load(w_ptrs, mask=keep[:, None, None], other=0)
+        for i in range(0, steps):
+            w = nxt
+            w_ptrs += R * W
+            nxt = tl.load(w_ptrs, mask=keep[:, None, None] & (i + 1 < steps), other=0)  # the next tile, in flight
+            top = w >> 20
+            part = tl.zeros((BLOCK_N, R, W), dtype=tl.float32)
+            xsum = tl.zeros((R, W), dtype=tl.float32)
+            for f in tl.static_range(8):
+                # field f: byte f // 2 of the word, low nibble (column 4j + f // 2) or high (+ G / 2)
+                xv = tl.load(x_ptrs + (f // 2) + (f % 2) * HALF).to(tl.float32)
+                xsum += xv
+                if f < 5:
+                    bits = (w & (0xF << (4 * f))) | 0x4B000000
+                    xv = xv * (1.0 / (1 << (4 * f)))
+                else:
+                    bits = (top & (0xF << (4 * (f - 5)))) | 0x4B000000
+                    xv = xv * (1.0 / (1 << (4 * (f - 5))))
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xv[None, :, :]
+            s = tl.load(s_ptr + q_ptrs, mask=keep[:, None], other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + q_ptrs, mask=keep[:, None], other=0.0).to(tl.float32)
+            acc += s[:, :, None] * part
+            acc_z += z * tl.sum(xsum, axis=1)[None, :]
+            x_ptrs += R * G
+            q_ptrs += R
+        out = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_z, axis=1)
+        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+
+    KERNELS.update(int8_words=_int8_words, int4_words=_int4_words, int8_bytes=_int8_one, int4_bytes=_int4)
+
     def rows_of(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1]).contiguous()
 
@@ -190,7 +303,9 @@ def _register() -> None:
         out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
         m = x2.shape[0]
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        if m == 1:
+        if m == 1 and (ONE_ROW == "words" or ONE_ROW == "auto" and n * k >= WORDS_MIN):
+            _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k)
+        elif m == 1:
             _int8_one[grid](x2, weight, scales, out, n, k)
         else:
             _int8_few[grid](x2, weight, scales, out, m, n, k, _pow2(m))
@@ -207,8 +322,11 @@ def _register() -> None:
         n, k = packed.shape[0], 2 * packed.shape[1]
         out = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
         m = x2.shape[0]
-        _int4[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, packed, scale, zero, out, m, n, k, group,
-                                                                _pow2(m))
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        if m == 1 and ONE_ROW != "bytes":
+            _int4_words[grid](x2, packed.view(torch.int32), scale, zero, out, n, k, group)
+        else:
+            _int4[grid](x2, packed, scale, zero, out, m, n, k, group, _pow2(m))
         return out.view(*x.shape[:-1], n)
 
     @int4_gemv.register_fake
