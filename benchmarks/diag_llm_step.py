@@ -51,9 +51,17 @@ def sdpa_attention(runner):
         layer.decode_kernel = False
 
 
+def cublas_o_down(runner):
+    for layer in runner.decoder.layers:
+        for name in ("out", "down"):
+            m = getattr(layer, name)
+            setattr(layer, name, linear_of(m.weight, m.bias, CublasLinear))
+
+
 TWEAKS = {  # each takes the Runner
     "served": lambda r: None,
-    "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
+    "sdpa-attn": sdpa_attention,
+    "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured  # torch's SDPA for the one-query attention (before decode_attention)
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))
                             for la in r.decoder.layers],
     "cublas-all": lambda r: cublas_all(r.decoder),
@@ -98,7 +106,7 @@ def main():
         out = f.generate(ids, max_new_tokens=24, **kw)  # compiles the decode step
         ref = out if ref is None else ref
         print(f"{name}: compile {runner.report.compile_s} s; same tokens as the first variant: "
-              f"{bool((out == ref).all())}", flush=True)
+              f"{bool((out == ref).all())}; projections measured at build: {runner.report.cuda_gemv}", flush=True)
         tok = out[:, -1:].clone()
         slot = torch.tensor([out.shape[1]], device=dev)
         pos = slot[None].clone()

@@ -215,3 +215,49 @@ def test_prefill_graphs_survive_empty_cache_other_captures_and_other_models():
     for _ in range(2):
         assert torch.equal(fast.generate(ids, max_new_tokens=8, **GREEDY), want)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 1536), (96, 64)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_float_gemv_matches_a_float64_product(n, k, dtype, tol):
+    from torchkiln.quantization import gemv
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to("cuda", dtype)
+    x = torch.randn(1, 1, k, generator=g).to("cuda", dtype)
+    assert gemv.wanted(w)
+    got = gemv.float_linear(x, w)
+    ref = (x.double() @ w.double().t()).float()
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    assert float((got.float() - ref).norm() / ref.norm()) <= tol
+    rows = torch.randn(3, k, generator=g).to("cuda", dtype)  # more rows: F.linear
+    torch.testing.assert_close(gemv.float_linear(rows, w), torch.nn.functional.linear(rows, w))
+
+
+def test_cuda_projections_report_their_measured_choice():
+    from torchkiln.llm.model import CublasLinear, TritonLinear
+
+    cfg = dict(hidden_size=256, intermediate_size=512)
+    model = build("llama", seed=11, **cfg).cuda().to(torch.bfloat16)
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16)
+    line = fast.kiln_report.cuda_gemv
+    assert line and line.startswith("out: ") and "; down: " in line, line
+    layers = fast._kiln_runner.decoder.layers
+    for name in ("out", "down"):
+        part = line.split(f"{name}: ")[1]
+        want = TritonLinear if part.startswith("triton") else CublasLinear
+        assert all(type(getattr(layer, name)) is want for layer in layers), (name, line)
+
+
+def test_triton_projections_decode_as_hf_greedy_fp32(monkeypatch):
+    from torchkiln.llm import model as llm_model
+
+    monkeypatch.setattr(llm_model, "pick", lambda times, base, margin=0.9: "triton")  # whatever timed faster
+    model = build("llama", seed=12, hidden_size=128, intermediate_size=256).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    layers = fast._kiln_runner.decoder.layers
+    assert all(type(layer.out) is llm_model.TritonLinear and type(layer.down) is llm_model.TritonLinear
+               for layer in layers)
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(13)).cuda()
+    got = fast.generate(ids, max_new_tokens=10, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=10, **GREEDY))

@@ -22,7 +22,7 @@ from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from . import decode_attention
 from .generate import Fallback, inferred_mask, resolve, run
-from .model import FastDecoder, cpu_projections, cublas_projections
+from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
 from .quant import cpu_int8_rows, gptq_codes
 from .quant import quantize as quantize_decoder
 from .runner import Runner
@@ -60,6 +60,8 @@ class LLMReport:
     fallbacks: list = dataclasses.field(default_factory=list)
     cpu_gemv: str | None = None          # CPU compiled decode's one-row form, measured: "F.linear", "reduction"
                                          # (RowLinear) or "kernel" (KernelLinear); int8: "torch" or "kernel"
+    cuda_gemv: str | None = None         # CUDA decode's o/down projections, measured: "cuBLAS" or "triton"
+                                         # (quantization/gemv.py's float GEMV), with the times
     attention: str | None = None         # the decode step's one-query attention: "kernel" (CUDA,
                                          # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
 
@@ -78,6 +80,8 @@ class LLMReport:
             lines.append(f"  decode attention: {self.attention}")
             if self.cpu_gemv:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
+            if self.cuda_gemv:
+                lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
         return "\n".join(lines)
@@ -179,6 +183,8 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             layer.decode_kernel = True
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
+        if quant is None:  # quantized, these layers are replaced below
+            report.cuda_gemv = cuda_projections(decoder)
     elif target.type == "cpu" and compile:
         report.cpu_gemv = cpu_projections(decoder)
     runner = Runner(decoder, target, compile, compile and target.type == "cuda", max_seq_len, report)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemv
+from ..quantization import gemv
 from ..timing import interleaved
 from . import decode_attention
 from .spec import DecoderSpec, Parts
@@ -110,6 +111,72 @@ def cublas_projections(decoder: nn.Module, on: bool = True) -> int:
     return done
 
 
+class TritonLinear(nn.Linear):
+    """An nn.Linear whose one-row product on CUDA is torchkiln's float GEMV
+    (quantization/gemv.py, ``torchkiln::float_gemv``, opaque to the compiler); more rows: F.linear.
+    ``cuda_projections`` swaps it in for a projection only where it timed faster than cuBLAS."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() != 1 or not x.is_cuda:
+            return F.linear(x, self.weight, self.bias)
+        y = gemv.float_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def graph_times(forms: dict, weights: list[torch.Tensor], rounds: int = 5) -> dict[str, float]:
+    """us per call of each ``forms`` function (x, weight) over ``weights`` (the layers', so each
+    call reads its weight from memory, as in decode), one CUDA graph per form, replays
+    interleaved over ``rounds``; medians. Eager calls go first: they tune Triton kernels and set
+    up cuBLAS outside any capture."""
+    dev = weights[0].device
+    x = torch.randn(1, 1, weights[0].shape[1], device=dev, dtype=weights[0].dtype)
+    graphs = {}
+    with torch.no_grad():
+        for name, fn in forms.items():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(x, weights[0])
+            torch.cuda.current_stream(dev).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                for w in weights:
+                    fn(x, w)
+            graphs[name] = g
+        times = {name: [] for name in forms}
+        for _ in range(rounds):
+            for name, g in graphs.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) * 1e3 / len(weights))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def cuda_projections(decoder: nn.Module) -> str | None:
+    """The CUDA decode step's output and down projections: cuBLAS (CublasLinear) or torchkiln's
+    float GEMV (TritonLinear), whichever times faster on the layers' own weights, each
+    projection on its own. Returns the report's line (None: nothing to measure here)."""
+    first = decoder.layers[0]
+    if not (first.out.weight.is_cuda and first.out.weight.is_floating_point() and gemv.wanted(first.out.weight)):
+        return None
+    lines = []
+    for name in ("out", "down"):
+        mods = [getattr(layer, name) for layer in decoder.layers]
+        if type(mods[0]) is not CublasLinear or mods[0].in_features % 64 or not mods[0].weight.is_contiguous():
+            continue
+        times = graph_times({"cuBLAS": lambda x, w: F.linear(x, w), "triton": gemv.float_linear},
+                            [m.weight for m in mods])
+        form = pick(times, "cuBLAS", margin=0.95)
+        if form == "triton":
+            for layer, m in zip(decoder.layers, mods, strict=True):
+                setattr(layer, name, linear_of(m.weight, m.bias, TritonLinear))
+        lines.append(f"{name}: " + describe(form, times, None))
+    return "; ".join(lines) or None
+
+
 class RowLinear(nn.Linear):
     """An nn.Linear whose one-row product (batch-1 decode), when compiled, is a multiply-and-sum
     that inductor turns into one vectorised reduction over the weight. Why, on some CPUs: on a
@@ -169,10 +236,11 @@ def time_forms(forms: dict, args: list[tuple], rounds: int = 5) -> dict[str, flo
     return {name: statistics.median(t) / len(args) * 1e6 for name, t in times.items()}
 
 
-def pick(times: dict[str, float], base: str) -> str:
-    """The fastest form, if it beats ``base`` by 10% (a swap is only worth a clear win), else ``base``."""
+def pick(times: dict[str, float], base: str, margin: float = 0.9) -> str:
+    """The fastest form, if it beats ``base`` by 1 - ``margin`` (a swap is only worth a clear
+    win: 10% unless said), else ``base``."""
     best = min(times, key=times.get)
-    return best if best != base and times[best] < 0.9 * times[base] else base
+    return best if best != base and times[best] < margin * times[base] else base
 
 
 def row_forms(weights: list[torch.Tensor], norm: nn.Module | None = None) -> tuple[dict[str, float], str | None]:

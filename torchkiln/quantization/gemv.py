@@ -1,4 +1,5 @@
-"""Weight-only int8/int4 GEMVs for the CUDA decode step, hand-written in Triton.
+"""Weight-only int8/int4 GEMVs for the CUDA decode step, hand-written in Triton (and a float
+one-row GEMV, measured against cuBLAS per model: see _float_one).
 
 Why hand-written: on the H200, Llama-3-8B decode with int8 weights dequantized inside the
 matmul expression (gpt-fast's form, fused by inductor into a reduction kernel) read its weights
@@ -57,6 +58,11 @@ def usable(x: torch.Tensor, k: int) -> bool:
     """Does a call with input ``x`` (..., k) take a kernel (at trace time, shapes are static)? Widths
     in multiples of 64 keep every weight row 16-byte aligned for the kernels' vector loads."""
     return x.is_cuda and 0 < x.numel() // k <= MAX_ROWS and k % 64 == 0
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One row of x (..., K) times a float weight (N, K): the decode step's float GEMV."""
+    return torch.ops.torchkiln.float_gemv(x, weight)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -293,6 +299,34 @@ def _register() -> None:
 
     KERNELS.update(int8_words=_int8_words, int4_words=_int4_words, int8_bytes=_int8_one, int4_bytes=_int4)
 
+    # Float weights, one row: the int8 one-row kernel's form without the dequantization. Why: for
+    # the decode step's output and down projections cuBLASLt runs a split-K GEMV plus a reduce
+    # kernel (10.8 + 1.65 and 30.0 + 1.65 us for Llama-3-8B's o and down on the H200, profiled
+    # in benchmarks/diag_llm_step.py); whether this kernel beats that is measured per model at
+    # build time (llm/model.py, cuda_projections).
+    fconfigs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                for n, k, w, st in ((2, 1024, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (8, 256, 4, 3),
+                                    (8, 512, 4, 3), (8, 512, 8, 3), (16, 256, 4, 3), (16, 512, 8, 3),
+                                    (2, 2048, 8, 3), (4, 256, 4, 4), (8, 128, 4, 4))]
+
+    @triton.autotune(configs=fconfigs, key=["N", "K"])
+    @triton.jit
+    def _float_one(x_ptr, w_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        keep = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = x_ptr + rk
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            inside = rk < K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        tl.store(o_ptr + rn, tl.sum(acc, axis=1).to(o_ptr.dtype.element_ty), mask=keep)
+
     def rows_of(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1]).contiguous()
 
@@ -313,6 +347,20 @@ def _register() -> None:
 
     @int8_gemv.register_fake
     def _(x, weight, scales):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.custom_op("torchkiln::float_gemv", mutates_args=())
+    def float_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x2 = rows_of(x)
+        if x2.shape[0] != 1:
+            return torch.nn.functional.linear(x, weight)
+        n, k = weight.shape
+        out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+        _float_one[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, weight.contiguous(), out, n, k)
+        return out.view(*x.shape[:-1], n)
+
+    @float_gemv.register_fake
+    def _(x, weight):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     @torch.library.custom_op("torchkiln::int4_gemv", mutates_args=())
