@@ -11,6 +11,7 @@ is short of.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import statistics
@@ -123,6 +124,19 @@ class TritonLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+@contextlib.contextmanager
+def captured(g: torch.cuda.CUDAGraph, pool=None):
+    """``torch.cuda.graph(g)`` with cuBLAS's workspaces dropped before and after, as torch's own
+    CUDA-graph trees do (``clear_cublas_manager``). Why: cuBLAS keeps one workspace per stream, and
+    a capture allocates it in the graph's pool; kept after the capture, it dangles once that graph
+    is freed (or is freed under the graph by the compiled step's recordings), and the next capture
+    on the shared capture stream writes into freed memory (an illegal address on the H200)."""
+    from torch._inductor.cudagraph_trees import clear_cublas_manager
+
+    with clear_cublas_manager(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        yield
+
+
 def graph_times(forms: dict, weights: list[torch.Tensor], rounds: int = 5) -> dict[str, float]:
     """us per call of each ``forms`` function (x, weight) over ``weights`` (the layers', so each
     call reads its weight from memory, as in decode), one CUDA graph per form, replays
@@ -139,7 +153,7 @@ def graph_times(forms: dict, weights: list[torch.Tensor], rounds: int = 5) -> di
                 fn(x, weights[0])
             torch.cuda.current_stream(dev).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            with captured(g):
                 for w in weights:
                     fn(x, w)
             graphs[name] = g

@@ -20,7 +20,7 @@ import torch
 
 from .._log import warn_once
 from ..modelutil import first_line, is_oom
-from .model import FastDecoder, fresh
+from .model import FastDecoder, captured, fresh
 
 log = logging.getLogger(__name__)
 CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length compiles once
@@ -129,9 +129,7 @@ class Runner:
             # when they drop cuBLAS workspaces around each recording, and this graph would write
             # into freed memory. Dropped again after, so eager calls do not run in this pool: torch's
             # own context for its cudagraph trees, which clear for the same reason.
-            from torch._inductor.cudagraph_trees import clear_cublas_manager
-
-            with clear_cublas_manager(), torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            with captured(g, self._pool):
                 out = d(tokens, slots, pos, last=last)
         except Exception as e:  # noqa: BLE001
             if is_oom(e):
