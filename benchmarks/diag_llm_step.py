@@ -60,8 +60,8 @@ def cublas_o_down(runner):
 
 TWEAKS = {  # each takes the Runner
     "served": lambda r: None,
-    "sdpa-attn": sdpa_attention,
-    "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured  # torch's SDPA for the one-query attention (before decode_attention)
+    "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
+    "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))
                             for la in r.decoder.layers],
     "cublas-all": lambda r: cublas_all(r.decoder),
