@@ -106,12 +106,12 @@ def _register() -> None:
                                   # (benchmarks/diag_gemv_variants.py)
                                   (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))]
 
-    @triton.autotune(configs=configs, key=["N", "K"])
     @triton.jit
-    def _int8_one(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr):
         # One row of x: a 2-D accumulator, reduced once at the end. On the H200 this form ran
         # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row
-        # (two runs of benchmarks/llm_gemv.py, before the bit trick; RESULTS.md).
+        # (two runs of benchmarks/llm_gemv.py, before the bit trick; RESULTS.md). INT8: int8
+        # weights with per-row scales (s_ptr); else float weights (s_ptr unused).
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         keep = rn < N
@@ -122,13 +122,19 @@ def _register() -> None:
             inside = rk < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
             x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
-            # int8 + 128 is in [1, 255]: the float of it less 128 is the weight
-            wf = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            if INT8:  # int8 + 128 is in [1, 255]: the float of it less 128 is the weight
+                wf = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            else:
+                wf = w.to(tl.float32)
             acc += wf * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out = tl.sum(acc, axis=1) * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        out = tl.sum(acc, axis=1)
+        if INT8:
+            out = out * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
         tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+
+    _int8_one = triton.autotune(configs=configs, key=["N", "K"])(_row)
 
     @triton.autotune(configs=configs, key=["N", "K", "ROWS"])
     @triton.jit
@@ -299,7 +305,7 @@ def _register() -> None:
 
     KERNELS.update(int8_words=_int8_words, int4_words=_int4_words, int8_bytes=_int8_one, int4_bytes=_int4)
 
-    # Float weights, one row: the int8 one-row kernel's form without the dequantization. Why: for
+    # Float weights, one row: the int8 one-row kernel (_row) without the dequantization. Why: for
     # the decode step's output and down projections cuBLASLt runs a split-K GEMV plus a reduce
     # kernel (10.8 + 1.65 and 30.0 + 1.65 us for Llama-3-8B's o and down on the H200, profiled
     # in benchmarks/diag_llm_step.py); whether this kernel beats that is measured per model at
@@ -309,23 +315,7 @@ def _register() -> None:
                                     (8, 512, 4, 3), (8, 512, 8, 3), (16, 256, 4, 3), (16, 512, 8, 3),
                                     (2, 2048, 8, 3), (4, 256, 4, 4), (8, 128, 4, 4))]
 
-    @triton.autotune(configs=fconfigs, key=["N", "K"])
-    @triton.jit
-    def _float_one(x_ptr, w_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        keep = rn < N
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-        x_ptrs = x_ptr + rk
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            inside = rk < K - k * BLOCK_K
-            w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        tl.store(o_ptr + rn, tl.sum(acc, axis=1).to(o_ptr.dtype.element_ty), mask=keep)
+    _float_one = triton.autotune(configs=fconfigs, key=["N", "K"])(_row)
 
     def rows_of(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1]).contiguous()
@@ -340,7 +330,7 @@ def _register() -> None:
         if m == 1 and (ONE_ROW == "words" or ONE_ROW == "auto" and n * k >= WORDS_MIN):
             _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k)
         elif m == 1:
-            _int8_one[grid](x2, weight, scales, out, n, k)
+            _int8_one[grid](x2, weight, scales, out, n, k, INT8=True)
         else:
             _int8_few[grid](x2, weight, scales, out, m, n, k, _pow2(m))
         return out.view(*x.shape[:-1], n)
@@ -356,7 +346,8 @@ def _register() -> None:
             return torch.nn.functional.linear(x, weight)
         n, k = weight.shape
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        _float_one[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, weight.contiguous(), out, n, k)
+        _float_one[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, weight.contiguous(), x2, out, n, k,
+                                                                     INT8=False)
         return out.view(*x.shape[:-1], n)
 
     @float_gemv.register_fake
