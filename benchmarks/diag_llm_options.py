@@ -47,15 +47,18 @@ def main():
     from torchkiln.llm import quant as llm_quant
 
     # int4-tinygemm / -torchao / -triton: force one int4 kernel; a "-bytes" suffix: the per-byte
-    # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels
+    # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels; "-expr": int8 prefill through
+    # the dequantizing expression instead of the int8 matmul kernel (gemv.WIDE_ROWS)
+    wide_rows = gemv.WIDE_ROWS
     for q in [q for q in a.quant.split(",") if q]:
-        impl = [p for p in q.split("-")[1:] if p != "bytes"]
+        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr")]
         llm_quant.INT4_IMPL = impl[0] if impl else "auto"
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
     llm_quant.INT4_IMPL = "auto"
 
     def one_row(name):  # set before every call: a graph (re)captured then takes that kernel
         gemv.ONE_ROW = "bytes" if name.endswith("-bytes") else "auto"
+        gemv.WIDE_ROWS = gemv.MAX_ROWS if name.endswith("-expr") else wide_rows
 
     for name, f in fasts.items():
         one_row(name)

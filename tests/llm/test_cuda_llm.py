@@ -94,6 +94,27 @@ def test_gemv_kernels_match_dequantized_weights(kind, n, k, rows, group):
     assert err / float((wide.float() @ _dequantized(q).t()).norm()) < 8e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [5, 37, 256, 300])
+@pytest.mark.parametrize("n,k", [(1000, 1536), (70, 4096)])
+def test_int8_prefill_rows_match_dequantized_weights(dtype, rows, n, k):
+    """Int8Linear's calls wider than the GEMVs: the int8 matmul kernel (16-bit x, up to
+    gemv.WIDE_ROWS rows) or the expression, against a float64 matmul over the dequantized weight."""
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    torch.manual_seed(rows + n)
+    lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=dtype)
+    q = Int8Linear(lin)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    assert gemv.wide(x, k) == (rows <= gemv.WIDE_ROWS and dtype != torch.float32)
+    w = q.weight.double() * q.scales.double()[:, None]
+    ref = x.double() @ w.t() + lin.bias.double()
+    got = q(x)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert float((got.double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
 @pytest.mark.parametrize("mode", ["words", "bytes"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (33, 320, 64), (17, 192, 32), (70, 14336, 128)])

@@ -579,6 +579,7 @@ def test_gemv_routing_is_decided_by_device_and_rows():
 
     assert not Int8Linear(torch.nn.Linear(128, 8)).kernel
     assert not gemv.usable(torch.zeros(1, 128), 128)  # a CPU tensor
+    assert not gemv.wide(torch.zeros(16, 128, dtype=torch.bfloat16), 128)
     assert gemv._pow2(1) == 1 and gemv._pow2(3) == 4 and gemv._pow2(4) == 4
 
 

@@ -27,7 +27,10 @@ import importlib.util
 
 import torch
 
-MAX_ROWS = 4  # decode rows served by the kernels (prefill takes the expression)
+MAX_ROWS = 4  # decode rows served by the GEMVs
+# int8 calls of more rows, up to this many (the LLM path's prefill widths), run the int8 matmul
+# kernel below; wider ones (and int4's Triton layout) dequantize inside the matmul expression
+WIDE_ROWS = 256
 # One-row calls: "auto" (int4: the 32-bit-word kernel; int8: the word kernel for weights of at
 # least WORDS_MIN values, the per-byte one below that), or "words" / "bytes" everywhere (for
 # benchmarks/diag_gemv_variants.py's side-by-side). Read at call time. On the H200 the int8 word
@@ -63,6 +66,13 @@ def usable(x: torch.Tensor, k: int) -> bool:
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One row of x (..., K) times a float weight (N, K): the decode step's float GEMV."""
     return torch.ops.torchkiln.float_gemv(x, weight)
+
+
+def wide(x: torch.Tensor, k: int) -> bool:
+    """Does a call with input ``x`` (..., k) take the int8 matmul kernel (prefill widths: more rows
+    than the GEMVs serve, at most WIDE_ROWS, in bf16/fp16)?"""
+    return (x.is_cuda and MAX_ROWS < x.numel() // k <= WIDE_ROWS and k % 64 == 0
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -303,7 +313,42 @@ def _register() -> None:
         out = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_z, axis=1)
         tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
 
-    KERNELS.update(int8_words=_int8_words, int4_words=_int4_words, int8_bytes=_int8_one, int4_bytes=_int4)
+    # int8 weights, 5-256 rows (prefill): tiles of x times the int8 tile converted to x's dtype
+    # (exact: |q| <= 127 fits bf16's 8 bits), one tensor-core dot per step, the per-channel scale
+    # applied to the float32 sum. Why: the expression (gpt-fast's form) dequantizes every weight
+    # into a bf16 copy before cuBLAS, which made Llama-3-8B's int8 prefill 27.5 ms against bf16's
+    # 9.5 on the H200 (RESULTS.md, #9's benchmark at 2f25052).
+    mm_configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                  for m, n, k, w, st in ((16, 64, 128, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4),
+                                         (32, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
+                                         (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))]
+
+    def _fits_mm(configs, named_args, **kw):  # whole K steps; no M tile much taller than the rows
+        return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0
+                and c.kwargs["BLOCK_M"] <= max(16, named_args["MB"])]
+
+    @triton.autotune(configs=mm_configs, key=["N", "K", "MB"], prune_configs_by={"early_config_prune": _fits_mm})
+    @triton.jit
+    def _int8_mm(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, MB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K // BLOCK_K):
+            a = tl.load(x_ptrs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(w_ptrs, mask=rn[:, None] < N, other=0).to(a.dtype)
+            acc += tl.dot(a, tl.trans(b))
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    KERNELS.update(int8_words=_int8_words, int4_words=_int4_words, int8_bytes=_int8_one, int4_bytes=_int4,
+                   int8_mm=_int8_mm)
 
     # Float weights, one row: the int8 one-row kernel (_row) without the dequantization. Why: for
     # the decode step's output and down projections cuBLASLt runs a split-K GEMV plus a reduce
@@ -331,6 +376,10 @@ def _register() -> None:
             _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k)
         elif m == 1:
             _int8_one[grid](x2, weight, scales, out, n, k, INT8=True)
+        elif m > MAX_ROWS:
+            mb = max(16, _pow2(m))
+            _int8_mm[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))](
+                x2, weight, scales, out, m, n, k, mb)
         else:
             _int8_few[grid](x2, weight, scales, out, m, n, k, _pow2(m))
         return out.view(*x.shape[:-1], n)

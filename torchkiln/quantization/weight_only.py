@@ -75,7 +75,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_kernel and x.shape[:-1].numel() == 1:
             out = torch.ops.torchkiln.cpu_gemv(x, self.weight, self.scales)
-        elif self.kernel and gemv.usable(x, self.in_features):
+        elif self.kernel and (gemv.usable(x, self.in_features) or gemv.wide(x, self.in_features)):
             out = gemv.int8_linear(x, self.weight, self.scales)
         else:
             out = self.product(x, self.weight, self.scales, self.cpu_kernel)
