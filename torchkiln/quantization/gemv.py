@@ -319,11 +319,12 @@ def _register() -> None:
     # into a bf16 copy before cuBLAS, which made Llama-3-8B's int8 prefill 27.5 ms against bf16's
     # 9.5 on the H200 (RESULTS.md, #9's benchmark at 2f25052).
     mm_configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-                  for m, n, k, w, st in ((16, 64, 128, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4),
+                  for m, n, k, w, st in ((16, 64, 64, 4, 4), (16, 64, 128, 4, 4), (32, 64, 64, 4, 4), (32, 128, 64, 4, 4),
                                          (32, 64, 128, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3),
                                          (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))]
 
-    def _fits_mm(configs, named_args, **kw):  # whole K steps; no M tile much taller than the rows
+    def _fits_mm(configs, named_args, **kw):  # whole K steps (K % 64 == 0: the first config always
+        # fits); no M tile much taller than the rows
         return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0
                 and c.kwargs["BLOCK_M"] <= max(16, named_args["MB"])]
 
