@@ -270,6 +270,20 @@ def test_cuda_projections_report_their_measured_choice():
         assert all(type(getattr(layer, name)) is want for layer in layers), (name, line)
 
 
+def test_a_failed_projection_measurement_keeps_cublas_and_says_why(monkeypatch):
+    from torchkiln.llm import model as llm_model
+
+    def broken(*a, **k):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(llm_model, "graph_times", broken)
+    model = build("llama", seed=12, hidden_size=128, intermediate_size=256).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    assert fast.kiln_report.cuda_gemv == ("out: cuBLAS (not measured: capture refused); "
+                                          "down: cuBLAS (not measured: capture refused)")
+    assert all(type(layer.out) is llm_model.CublasLinear for layer in fast._kiln_runner.decoder.layers)
+
+
 def test_triton_projections_decode_as_hf_greedy_fp32(monkeypatch):
     from torchkiln.llm import model as llm_model
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemv
+from ..modelutil import first_line, is_oom
 from ..quantization import gemv
 from ..timing import interleaved
 from . import decode_attention
@@ -181,8 +182,14 @@ def cuda_projections(decoder: nn.Module) -> str | None:
         mods = [getattr(layer, name) for layer in decoder.layers]
         if type(mods[0]) is not CublasLinear or mods[0].in_features % 64 or not mods[0].weight.is_contiguous():
             continue
-        times = graph_times({"cuBLAS": lambda x, w: F.linear(x, w), "triton": gemv.float_linear},
-                            [m.weight for m in mods])
+        try:
+            times = graph_times({"cuBLAS": lambda x, w: F.linear(x, w), "triton": gemv.float_linear},
+                                [m.weight for m in mods])
+        except Exception as e:  # noqa: BLE001 - a measurement that fails leaves cuBLAS, as before it existed
+            if is_oom(e):
+                raise
+            lines.append(f"{name}: cuBLAS (not measured: {first_line(e)})")
+            continue
         form = pick(times, "cuBLAS", margin=0.95)
         if form == "triton":
             for layer, m in zip(decoder.layers, mods, strict=True):
