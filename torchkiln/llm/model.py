@@ -128,10 +128,11 @@ class TritonLinear(nn.Linear):
 @contextlib.contextmanager
 def captured(g: torch.cuda.CUDAGraph, pool=None):
     """``torch.cuda.graph(g)`` with cuBLAS's workspaces dropped before and after, as torch's own
-    CUDA-graph trees do (``clear_cublas_manager``). Why: cuBLAS keeps one workspace per stream, and
-    a capture allocates it in the graph's pool; kept after the capture, it dangles once that graph
-    is freed (or is freed under the graph by the compiled step's recordings), and the next capture
-    on the shared capture stream writes into freed memory (an illegal address on the H200)."""
+    CUDA-graph trees do (``clear_cublas_manager``). Why: cuBLAS keeps one workspace per stream and a
+    graph bakes its address in. Dropped first, the capture allocates it in the graph's own pool
+    (else it bakes in a block an eager call made, which the compiled step's CUDA-graph trees free
+    when they record); dropped after, no later call or capture on the shared capture stream reuses
+    a workspace that dies with this graph (writes into freed memory: an illegal address on the H200)."""
     from torch._inductor.cudagraph_trees import clear_cublas_manager
 
     with clear_cublas_manager(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):

@@ -123,13 +123,7 @@ class Runner:
             torch.cuda.current_stream(dev).wait_stream(side)
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            # cuBLAS keeps one workspace per stream and the graph bakes its address in. Dropped
-            # first, the capture allocates it inside this graph's pool; else it would be the block
-            # an earlier eager call made, which the compiled decode step's CUDA-graph trees free
-            # when they drop cuBLAS workspaces around each recording, and this graph would write
-            # into freed memory. Dropped again after, so eager calls do not run in this pool: torch's
-            # own context for its cudagraph trees, which clear for the same reason.
-            with captured(g, self._pool):
+            with captured(g, self._pool):  # cuBLAS's workspace in this graph's pool: see captured()
                 out = d(tokens, slots, pos, last=last)
         except Exception as e:  # noqa: BLE001
             if is_oom(e):

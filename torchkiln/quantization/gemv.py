@@ -34,8 +34,9 @@ WIDE_ROWS = 256
 # One-row calls: "auto" (int4: the 32-bit-word kernel; int8: the word kernel for weights of at
 # least WORDS_MIN values, the per-byte one below that), or "words" / "bytes" everywhere (for
 # benchmarks/diag_gemv_variants.py's side-by-side). Read at call time. On the H200 the int8 word
-# kernel ran Llama-3-8B's gate/up and head 0.8-2.3 and 10-13 us faster than the byte kernel, and
-# q/k/v, o and down 0.1-0.8 us slower (two runs, RESULTS.md "One-row GEMVs on 32-bit words").
+# kernel ran Llama-3-8B's gate/up and head 0.8-2.3 and 10-13 us faster than the byte kernel, q/k/v
+# and o 0.3-0.8 us slower, down 0.1 faster to 1.0 slower (two runs, RESULTS.md "One-row GEMVs on
+# 32-bit words").
 ONE_ROW = "auto"
 WORDS_MIN = 64 << 20
 KERNELS: dict = {}  # name -> the Triton kernel, once registered (benchmarks read their tuned configs)
