@@ -59,18 +59,21 @@ def _shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(like.shape, like.stride(), flat.storage_offset())
 
 
-def _split_eager(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
-    """float32 ``master`` -> bf16 ``top`` and int16 ``trail``, exactly. On the int32 bit patterns:
+# The two functions below see only integer views: the float views are taken outside them, because
+# torch 2.6's inductor compiled a float32 bitcast so that NaN payloads came back canonical (0x7FD88000 ->
+# 0x7FC00000; tests/training/test_split.py on torch 2.6).
+def _split_eager(bits: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
+    """float32 master bits (int32) -> bf16 ``top`` bits (int16) and int16 ``trail``, exactly:
     top = round(master / 2^16) with ties up in magnitude (the sign bit rides along: the pattern of a
     negative float is -2^31 + magnitude), trail = master - top * 2^16, which lies in [-2^15, 2^15)."""
-    bits = master.view(torch.int32)
     hi = (bits + 0x8000) >> 16
-    top.view(torch.int16).copy_(hi)
+    top.copy_(hi)
     trail.copy_(bits - (hi << 16))
 
 
 def _combine_eager(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
-    return ((top.view(torch.int16).to(torch.int32) << 16) + trail.to(torch.int32)).view(torch.float32)
+    """bf16 ``top`` bits (int16) and the int16 ``trail`` -> the float32 master's bits (int32)."""
+    return (top.to(torch.int32) << 16) + trail.to(torch.int32)
 
 
 @functools.cache
@@ -96,11 +99,11 @@ def _run(name: str, *args):
 
 
 def _split_into(master: torch.Tensor, top: torch.Tensor, trail: torch.Tensor) -> None:
-    _run("split", master, top, trail)
+    _run("split", master.view(torch.int32), top.view(torch.int16), trail)
 
 
 def _combine(top: torch.Tensor, trail: torch.Tensor) -> torch.Tensor:
-    return _run("combine", top, trail)
+    return _run("combine", top.view(torch.int16), trail).view(torch.float32)
 
 
 class SplitWeights:
