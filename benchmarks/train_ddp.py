@@ -7,6 +7,15 @@ training pair (`tk.optimize(DDP(model), optimizer=..., dtype=...)`) and, with --
 
 Each world size is its own set of processes (mp.spawn; NCCL on CUDA, gloo on CPU). Rank 0 times
 --steps steps after two warm-up steps (torchkiln verifies and times its candidates in its first).
+
+Stock variants, to see what DDP itself costs a compiled step (one process under compiled DDP ran
+GPT-2-medium in 85-92 ms against 55 ms without DDP, RESULTS.md):
+- ``stock``: torch.compile(DDP(model)), dynamo's DDPOptimizer splitting the graph at gradient buckets;
+- ``-onegraph`` after any peer's name: ``torch._dynamo.config.optimize_ddp = False`` in its processes
+  (no DDPOptimizer: one graph, every all-reduce after the whole backward);
+- ``stock-inner``: DDP(torch.compile(model));
+- ``nodp``: torch.compile(model), no DDP (world size 1 only: the one-GPU reference).
+A peer that fails is reported with its error, and the others still run.
 """
 
 from __future__ import annotations
@@ -50,14 +59,22 @@ def _worker(rank, world, port, a, out):
         g = torch.Generator().manual_seed(rank)
         ids = torch.randint(0, model.config.vocab_size, (a.batch, a.seq), generator=g).to(dev)
         batch = {"input_ids": ids, "labels": ids}
-        ddp = DDP(model, device_ids=[rank] if cuda else None)
-        if a.peer == "torchkiln":
+        peer = a.peer.removesuffix("-onegraph")
+        if peer != a.peer:
+            torch._dynamo.config.optimize_ddp = False  # this worker process only
+        if peer == "nodp":
+            fast, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+        elif peer == "stock-inner":
+            fast = DDP(torch.compile(model), device_ids=[rank] if cuda else None)
+            opt = torch.optim.AdamW(fast.parameters(), lr=1e-5, fused=cuda)
+        else:
+            ddp = DDP(model, device_ids=[rank] if cuda else None)
+        if peer == "torchkiln":
             fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-5), dtype=low,
                                     sample_input=batch)
-            autocast = False
-        else:
+        elif peer == "stock":
             fast, opt = torch.compile(ddp), torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=cuda)
-            autocast = True
+        autocast = peer != "torchkiln"
 
         step = make_step(fast, opt, batch, dev.type, low, autocast)
 
@@ -95,20 +112,25 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--peers", default="torchkiln", help="torchkiln and/or stock (compile+autocast+fused)")
+    ap.add_argument("--peers", default="torchkiln",
+                    help="comma-separated: torchkiln, stock, stock-inner, nodp, each optionally -onegraph (see above)")
     a = ap.parse_args()
     worlds = [int(w) for w in a.worlds.split(",")]
     if a.device == "cuda" and max(worlds) > torch.cuda.device_count():
         raise SystemExit(f"--worlds {a.worlds}: only {torch.cuda.device_count()} GPU(s) here")
     rows = []
     for peer in a.peers.split(","):
-        for world in worlds:
+        for world in ([1] if peer == "nodp" else worlds):
             a.peer = peer
             with tempfile.TemporaryDirectory() as d:
                 out = os.path.join(d, "r.json")
-                mp.spawn(_worker, args=(world, _free_port(), a, out), nprocs=world, join=True)
-                with open(out) as f:
-                    r = json.load(f)
+                try:
+                    mp.spawn(_worker, args=(world, _free_port(), a, out), nprocs=world, join=True)
+                    with open(out) as f:
+                        r = json.load(f)
+                except Exception as e:  # noqa: BLE001 (one peer failing leaves the others' rows)
+                    print(f"  {peer} x{world}: failed: {str(e).strip().splitlines()[-1][:300]}", flush=True)
+                    continue
             tokens = world * a.batch * a.seq / (r["ms"] / 1e3)
             rows.append((peer, world, r, tokens))
             print(f"  {peer} x{world}: {r['ms']:.1f} ms/step, {tokens:,.0f} tokens/s", flush=True)
@@ -118,8 +140,10 @@ def main():
           f"{a.steps} steps on rank 0)\n")
     print("| peer | processes | ms/step | tokens/s | vs 1 process | served |\n|---|---|---|---|---|---|")
     for peer, world, r, tokens in rows:
-        one = next(t for p, w, _, t in rows if p == peer and w == min(worlds))
-        print(f"| {peer} | {world} | {r['ms']:.1f} | {tokens:,.0f} | {tokens / one:.2f}x | {r['served']} |")
+        ones = [t for p, w, _, t in rows if w == 1 and p in (peer, "nodp")]
+        vs = f"{tokens / max(ones):.2f}x" if ones else "-"
+        print(f"| {peer} | {world} | {r['ms']:.1f} | {tokens:,.0f} | {vs} | {r['served']} |")
+    print("\nvs 1 process: against the faster of this peer on one process and `nodp` (no DDP), where measured.")
 
 
 if __name__ == "__main__":
