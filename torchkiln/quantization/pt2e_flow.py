@@ -36,6 +36,15 @@ def _pt2e():
     return xiq, prepare_pt2e, convert_pt2e
 
 
+def missing() -> str | None:
+    """Why the pt2e flow cannot run with this torchao (the ImportError's message), or None if it can."""
+    try:
+        _pt2e()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
 def export(model: nn.Module, sample: inputs.Args) -> tuple[nn.Module, bool]:
     """(graph module, dynamic): every tensor dimension dynamic if export allows, else static.
 
