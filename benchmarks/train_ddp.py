@@ -97,7 +97,9 @@ def _worker(rank, world, port, a, out):
             report = getattr(fast, "kiln_report", None)
             with open(out, "w") as f:
                 json.dump({"ms": 1e3 * times[len(times) // 2], "warm_s": warm,
-                           "served": getattr(report, "active", None)}, f)
+                           "served": getattr(report, "active", None),
+                           "candidates": [f"{c.name}: {c.status}, {c.median_ms} ms" for c in report.candidates]
+                           if report is not None else []}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -134,6 +136,8 @@ def main():
             tokens = world * a.batch * a.seq / (r["ms"] / 1e3)
             rows.append((peer, world, r, tokens))
             print(f"  {peer} x{world}: {r['ms']:.1f} ms/step, {tokens:,.0f} tokens/s", flush=True)
+            for c in r["candidates"]:
+                print(f"    candidate {c}", flush=True)
     name = torch.cuda.get_device_name() if a.device == "cuda" else "CPU"
     print(f"\n### {datetime.date.today()} DDP scaling {a.model} bs{a.batch}/process seq{a.seq} {a.dtype} "
           f"({name}, torch {torch.__version__})\n\nCommand: `python {' '.join(sys.argv)}` (median of "
