@@ -9,13 +9,6 @@ match eager's outputs and every gradient within the guard's tolerance (relative 
 what autocast itself costs, as for inference), and then they are timed; the
 faster one serves. A failure of the compiled step later steps down to eager on
 the same inputs (an out-of-memory error is re-raised).
-
-Under DDP the compiled step comes in two forms, verified and timed alike: dynamo's default
-(DDPOptimizer: one graph per gradient bucket, so all-reduces overlap the backward) and one graph
-for the whole step (``optimize_ddp=False``: all-reduces after the backward). On the H200, GPT-2-medium
-bs16 seq512 bf16 under DDP in one process: 68.2 ms a step bucketed against 57.2 ms as one graph and
-54.1 ms without DDP (benchmarks/train_ddp.py, RESULTS.md): the bucket boundaries cost more than the
-overlap saves there. A slow interconnect can turn that around, hence timed, not assumed.
 """
 
 from __future__ import annotations
@@ -98,16 +91,7 @@ class TrainModule(OriginalFace):
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
         s(self, "_compiled", torch.compile(Fresh(self._eager), options=opts) if rec.compile else None)
-        one = rec.compile and _under_ddp(self.kiln_original) and _ddp_modes()
-        s(self, "_one_graph", OneGraph(torch.compile(Fresh(self._eager), options=opts)) if one else None)
         s(self, "_fn", None)
-
-    def _forms(self) -> dict:
-        """The compiled step's candidate forms, by candidate name."""
-        forms = {"compiled": self._compiled}
-        if self._one_graph is not None:
-            forms["compiled one graph"] = self._one_graph
-        return forms
 
     def __getstate__(self):
         original, recipe = self.kiln_original, self.kiln_recipe
@@ -205,50 +189,41 @@ class TrainModule(OriginalFace):
         """Verify the compiled step against eager, time both, serve the faster."""
         report, t0 = self.kiln_report, time.perf_counter()
         args, kwargs = inputs.tree_map(lambda t: t.detach(), (args, kwargs))
-        forms = self._forms()
-        cands = {"eager": self._eager, **forms}
+        cands = {"eager": self._eager, "compiled": self._compiled}
         rec = self.kiln_recipe
-        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})",
-                 "compiled one graph": f"compiled forward+backward, one graph under DDP ({rec.dtype})"}
+        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})"}
         report.candidates = [Measurement(names[n], "eager" if n == "eager" else "torchkiln", rec.dtype)
                              for n in cands]
         by = dict(zip(cands, report.candidates, strict=True))
         passed = ["eager"]
 
-        def reject(n: str, why: str, what: str) -> None:
-            by[n].status, by[n].reason = "failed", why
-            if n == "compiled":
-                report.fallbacks.append(Fallback("compiled step", "eager", why))
-                warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step {what} ({why}); "
-                          "training runs eager")
-            else:  # the bucketed form remains: recorded, no warning
-                report.fallbacks.append(Fallback("compiled step as one graph under DDP", "bucketed (DDPOptimizer)", why))
+        def reject(why: str, what: str) -> None:
+            by["compiled"].status, by["compiled"].reason = "failed", why
+            report.fallbacks.append(Fallback("compiled step", "eager", why))
+            warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step {what} ({why}); "
+                      "training runs eager")
 
+        what = "rejected"
         try:
-            verdicts = self._verify(args, kwargs, forms) if self._opts["verify"] != "off" else \
-                {n: (True, "", "rejected", None) for n in forms}
+            ok, why = self._verify(args, kwargs) if self._opts["verify"] != "off" else (True, "")
         except Exception as e:
             if is_oom(e):
                 raise
-            verdicts = {n: (False, f"{type(e).__name__}: {first_line(e)}", "failed", None) for n in forms}
-        for n, (ok, why, what, _) in verdicts.items():
-            # Under DDP/FSDP every rank must serve the same step (and time the same number of steps below).
-            if not _every_rank(ok, self._device) and ok:
-                ok, why = False, "the compiled step was rejected on another rank; every rank serves the same step"
-            if ok:
-                passed.append(n)
-            else:
-                reject(n, why, what)
+            ok, why, what = False, f"{type(e).__name__}: {first_line(e)}", "failed"
+        # Under DDP/FSDP every rank must serve the same step (and time the same number of steps below).
+        if not _every_rank(ok, self._device) and ok:
+            ok, why = False, "the compiled step was rejected on another rank; every rank serves the same step"
+        if ok:
+            passed.append("compiled")
+        else:
+            reject(why, what)
         best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
         for n, m in by.items():
             if m.status != "failed":
                 m.status = "served" if n == best else "passed"
         object.__setattr__(self, "_fn", cands[best])
         report.active = names[best]
-        guard = verdicts.get(best if best in forms else "compiled", (None,) * 4)[3]
-        if guard is not None:  # what the guard found for the served form (for eager: the default compiled one)
-            report.guard, report.error, report.tolerance = guard
-        if best in forms and "hash_dropout" in [p.name for p in rec.passes]:
+        if best == "compiled" and "hash_dropout" in [p.name for p in rec.passes]:
             n = getattr(self._graph_pass, "rewritten", 0)  # 0 also when the graph came from inductor's cache
             report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the compiled step)")
         report.dtype_served = rec.dtype
@@ -272,9 +247,7 @@ class TrainModule(OriginalFace):
             return
         self.kiln_report.applied.append(f"allocator: {said}")
 
-    def _verify(self, args, kwargs, forms: dict) -> dict:
-        """Each compiled form's step against the reference step(s), from the same state: by form,
-        (ok, why, "rejected"/"failed", (guard dict, worst error, its tolerance) or None)."""
+    def _verify(self, args, kwargs) -> tuple[bool, str]:
         rec = self.kiln_recipe
         proj: dict = {}  # one projection for all three steps, freed after
         masters = self._split.masters() if self._split is not None else contextlib.nullcontext()
@@ -308,49 +281,40 @@ class TrainModule(OriginalFace):
                 # unverified, said in the report and a warning, beats failing where the stock recipe trains.
                 _release(self._device)
                 probe.step(self._compiled, params, args, kwargs, keep=False, cache=proj)  # its OOM is the caller's
-                guard = {"ok": None, "reference": "none", "note": (
+                self.kiln_report.guard = {"ok": None, "reference": "none", "note": (
                     "not verified: the float32 and eager reference steps ran out of device memory; the compiled "
                     "step serves unverified")}
                 warn_once(f"train-unverified:{self._uid}", "torchkiln: the compiled training step serves unverified: "
                           "the float32 and eager reference steps do not fit in device memory")
-                out = {n: (False, "not verified: the reference steps do not fit in device memory", "rejected", None)
-                       for n in forms}
-                out["compiled"] = (True, "unverified (the reference steps do not fit in device memory)", "rejected",
-                                   (guard, self.kiln_report.error, self.kiln_report.tolerance))
-                return out
+                return True, "unverified (the reference steps do not fit in device memory)"
             if ref is None:
                 ref, base = base, None
             n_out = len(ref) - len(params)
             scale = _grad_scale(ref[n_out:], dtype)
             base_errors = _errors(base, ref, n_out, scale) if base is not None else None
             del base  # compared already: not held while the compiled step runs
-            tols = tolerances(dtype, base_errors, len(ref), tf32_allowed(self._device, has_conv(self.kiln_original)))
-            if base_errors is not None:
-                # Eager under autocast is what a rejected compiled step falls back to, so where eager itself
-                # is past the cap, rejecting buys no accuracy: the compiled step must then be within 25% of it.
-                tols = [max(t, 1.25 * e.rel) if e.shapes_match else t for t, e in zip(tols, base_errors, strict=True)]
-            names = tuple(f"output [{i}]" for i in range(n_out)) + tuple(f"gradient [{i}]" for i in range(len(params)))
-            out = {}
-            for n, form in forms.items():
-                got = None
-                try:
-                    got = probe.step(form, params, args, kwargs, cache=proj)
-                except Exception as e:
-                    if not is_oom(e):  # this form fails to compile or run; another may not
-                        out[n] = (False, f"{type(e).__name__}: {first_line(e)}", "failed", None)
-                        continue
-                if got is None:
-                    _release(self._device)
-                    out[n] = (False, "the compiled step ran out of device memory where eager fits", "rejected", None)
-                    continue
-                v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols), names)
-                del got
-                guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
-                         "reference": truth, **v.to_dict()}
-                worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
-                out[n] = (v.ok, str(v), "rejected", (guard, v.errors[worst].to_dict(), v.tolerances[worst]))
+            got = None
+            try:
+                got = probe.step(self._compiled, params, args, kwargs, cache=proj)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+            if got is None:
+                _release(self._device)
+                return False, "the compiled step ran out of device memory where eager fits"
+        tols = tolerances(dtype, base_errors, len(ref), tf32_allowed(self._device, has_conv(self.kiln_original)))
+        if base_errors is not None:
+            # Eager under autocast is what a rejected compiled step falls back to, so where eager itself
+            # is past the cap, rejecting buys no accuracy: the compiled step must then be within 25% of it.
+            tols = [max(t, 1.25 * e.rel) if e.shapes_match else t for t, e in zip(tols, base_errors, strict=True)]
+        names = tuple(f"output [{i}]" for i in range(n_out)) + tuple(f"gradient [{i}]" for i in range(len(params)))
+        v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols), names)
         self.kiln_report.verified_shapes = 1
-        return out
+        self.kiln_report.guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
+                                  "reference": truth, **v.to_dict()}
+        worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
+        self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
+        return v.ok, str(v)
 
     def _time(self, fns: dict, by: dict, args, kwargs) -> str:
         errors: dict = {}
@@ -453,28 +417,3 @@ def _errors(got, ref, n_out: int, scale: float):
             diff = e.rel * norm if norm > 0 else e.rel
             errs[i] = dataclasses.replace(e, rel=diff / scale)
     return errs
-
-
-class OneGraph:
-    """A compiled step whose compiles see ``optimize_ddp=False``: dynamo then traces a DDP model's step as one
-    graph rather than one per gradient bucket. dynamo reads the setting when it compiles a frame (the first
-    call, a recompile), so every call is wrapped; the patch is process-wide while it lasts, and a training
-    loop calls from one thread."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            return self.fn(*args, **kwargs)
-
-
-def _under_ddp(model: nn.Module) -> bool:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return any(isinstance(m, DDP) for m in model.modules())
-
-
-def _ddp_modes() -> bool:
-    """This torch's dynamo has the optimize_ddp switch (every torch from 2.0 does; checked, not assumed)."""
-    return hasattr(torch._dynamo.config, "optimize_ddp")
