@@ -91,8 +91,12 @@ class Compiled(nn.Module):
             out = self.compiled(*args, **kwargs)
         if len(mods) > before:  # compiled in this call (first call, a new shape)
             self._made.extend(mods[before:])
+        if not tallies:  # inductor (and its metrics) first loaded in this call: all they hold is from it
+            tallies = _metric_tallies()
+            marks = [0] * len(tallies)
         for t, n in zip(tallies, marks, strict=True):
-            del t[n:]
+            if len(t) > n:
+                del t[n:]
         return out
 
     def _patch(self):
@@ -208,18 +212,26 @@ def _output_modules() -> list:
     return _modules
 
 
+_tallies: list | None = None
+
+
 def _metric_tallies() -> list[list]:
     """inductor's per-compile metric lists that hold the compiled graph's scheduler nodes (and through
     them, with freezing, the frozen weights). torch 2.6 appended to them on every compile and cleared them
     only in torch._dynamo.reset(): every dropped model kept its weights (16 MB of a 16 MB model in
     tests/passes/test_compile.py). torch 2.13 appends only while inductor's metrics log is on. What a call
-    of ours added is dropped after it (the log, if on, has printed it by then)."""
-    import sys
+    of ours added is dropped after it (the log, if on, has printed it by then). The lists are found once:
+    torch extends and clears them in place, never rebinds them."""
+    global _tallies
+    if _tallies is None:
+        import sys
 
-    m = sys.modules.get("torch._inductor.metrics")
-    if m is None:
-        return []
-    return [t for t in (getattr(m, "nodes_num_elem", None), getattr(m, "node_runtimes", None)) if isinstance(t, list)]
+        m = sys.modules.get("torch._inductor.metrics")
+        if m is None:  # not loaded yet: nothing compiled so far
+            return []
+        _tallies = [t for t in (getattr(m, "nodes_num_elem", None), getattr(m, "node_runtimes", None))
+                    if isinstance(t, list)]
+    return _tallies
 
 
 def _unload(made: list[types.ModuleType]) -> None:
