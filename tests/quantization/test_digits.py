@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import torchkiln as tk
-from torchkiln.quantization import pt2e_flow
 
 pytest.importorskip("sklearn.datasets")
+import needs  # noqa: E402
 from digits import accuracy, cnn, digits, fit  # noqa: E402
 
 
-@pytest.mark.skipif(pt2e_flow.missing() is not None, reason="no pt2e flow in this torchao (torchao 0.10 with torch 2.6)")
+@needs.pt2e
 def test_int8_static_cnn_within_one_point_of_fp32():
     train, test = digits()
     ref = cnn().train()

@@ -7,6 +7,7 @@ import json
 import math
 import warnings
 
+import needs
 import pytest
 import torch
 from torch import nn
@@ -14,12 +15,8 @@ from torch import nn
 import torchkiln as tk
 from torchkiln.quantization import SCHEMES, QuantConfig, pt2e_flow
 
-# torchao 0.10 (what pip gives torch 2.6) has no pt2e flow: the CPU int8 graph schemes then raise a
-# clear ImportError (tested in test_the_pt2e_flow_missing_is_a_clear_error) and these tests skip.
-_NO_PT2E = pt2e_flow.missing()
-needs_pt2e = pytest.mark.skipif(_NO_PT2E is not None, reason=f"no pt2e flow: {_NO_PT2E}")
 PT2E_SCHEMES = ("int8-static", "int8-smoothquant", "int8-dynamic")
-CPU_SCHEMES = [pytest.param(s, marks=needs_pt2e) if s in PT2E_SCHEMES else s
+CPU_SCHEMES = [pytest.param(s, marks=needs.pt2e) if s in PT2E_SCHEMES else s
                for s in ["int8-static", "int8-smoothquant", "int8-dynamic", "int8-weight-only", "int4-weight-only"]]
 
 
@@ -102,7 +99,7 @@ def test_static_needs_calibration(calib):
 def test_single_tensor_calib_data_is_explained():
     with pytest.raises(TypeError, match=r"wrap it in a list"):
         tk.quantize(mlp(), "int8-static", calib_data=torch.randn(4, 64))
-@needs_pt2e
+@needs.pt2e
 def test_rejected_batch_is_named():
     calib = data()
     calib[2] = torch.randn(8, 63)
@@ -114,7 +111,7 @@ def test_model_without_quantizable_layers_is_returned_unchanged():
     m = nn.Sequential(nn.ReLU(), nn.Tanh())
     with pytest.warns(UserWarning, match="returned unchanged"):
         assert tk.quantize(m, "int8-weight-only") is m
-@needs_pt2e
+@needs.pt2e
 def test_dict_and_tuple_batches():
     class Two(nn.Module):
         def __init__(self):
@@ -133,8 +130,8 @@ def test_dict_and_tuple_batches():
     assert sqnr_db(m(t, t), q2(t, t)) > 30
 
 
-@pytest.mark.parametrize("scheme", [pytest.param("int8-static", marks=needs_pt2e),
-                                    pytest.param("int8-smoothquant", marks=needs_pt2e), "int8-weight-only"])
+@pytest.mark.parametrize("scheme", [pytest.param("int8-static", marks=needs.pt2e),
+                                    pytest.param("int8-smoothquant", marks=needs.pt2e), "int8-weight-only"])
 def test_save_load_round_trip(tmp_path, scheme):
     m = mlp()
     q = quiet(tk.quantize, m, scheme, calib_data=data(), progress=False)
@@ -149,7 +146,7 @@ def test_save_load_round_trip(tmp_path, scheme):
     assert not torch.equal(blank[0].weight, m[0].weight)  # the architecture passed in is untouched
     with pytest.raises(FileExistsError, match="overwrite=True"):
         tk.quantization.save(q, path, float_model=m)
-@needs_pt2e
+@needs.pt2e
 def test_reload_keeps_the_observers_eps(tmp_path):
     """Observer state loaded without a version reset eps to float32's, losing the x86 quantizer's
     2**-12: a weight channel with a range below 127.5 * 2**-12 then quantized differently after load."""
@@ -182,7 +179,7 @@ def test_load_rejects_other_model_and_corrupted_file(tmp_path):
     torch.save({"a": torch.zeros(1)}, junk)
     with pytest.raises(ValueError, match="not a torchkiln quantized model file"):
         tk.quantization.load(m, junk)
-@needs_pt2e
+@needs.pt2e
 def test_prepare_convert_equals_quantize_and_calibration_json(tmp_path):
     m, calib = mlp(), data()
     q = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False)
@@ -203,7 +200,7 @@ def test_prepare_convert_equals_quantize_and_calibration_json(tmp_path):
     wrong = quiet(tk.quantization.prepare, m, "int8-dynamic", example_inputs=calib[0])
     with pytest.raises(ValueError, match="int8-static"):
         tk.quantization.load_calibration(wrong, path)
-@needs_pt2e
+@needs.pt2e
 def test_convert_without_calibration_is_an_error():
     prepared = quiet(tk.quantization.prepare, mlp(), "int8-static", example_inputs=data()[0])
     with pytest.raises(ValueError, match="needs calibration"):
@@ -223,7 +220,7 @@ class Outlier(nn.Module):
         y = torch.relu(self.a(x))
         y = torch.cat([y[:, :1] * 300, y[:, 1:]], dim=1)
         return self.c(torch.relu(self.b(y))) + y[:, :64] * 0
-@needs_pt2e
+@needs.pt2e
 def test_auto_fallback_keeps_the_bad_layer():
     m, calib = Outlier().eval(), data(6)
     strict = quiet(tk.quantize, m, "int8-static", calib_data=calib, progress=False, min_sqnr=40)
@@ -241,7 +238,7 @@ def test_user_keep_is_honoured():
     q = quiet(tk.quantize, m, "int8-weight-only", keep=("2",), progress=False)
     assert type(q[2].weight.data) is torch.Tensor and type(q[0].weight.data) is not torch.Tensor
     assert q.kiln_quant.report.kept == ["2"]
-@needs_pt2e
+@needs.pt2e
 def test_optimize_with_quantize_serves_a_verified_compiled_model():
     m, calib = mlp(), data()
     fast = quiet(tk.optimize, m, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.5)
@@ -264,7 +261,7 @@ def test_config_round_trips_as_json():
     c = QuantConfig("int4-weight-only", group_size=64, keep=("x",))
     assert QuantConfig.from_dict(json.loads(c.to_json())) == c
     assert set(tk.quantization.fast_schemes(torch.device("cpu"))) == set(SCHEMES)
-@needs_pt2e
+@needs.pt2e
 def test_static_int8_on_a_bottleneck_with_a_shared_relu():
     """The zoo ResNet's bottleneck calls one ReLU module three times, as torchvision's does.
     torchao 0.18's X86InductorQuantizer rejected the whole model for it ("Input partition has
@@ -280,7 +277,7 @@ def test_static_int8_on_a_bottleneck_with_a_shared_relu():
     assert rep.quantized == 4 and rep.passed  # all four convs, the shared ReLU's calls fused in
     x = torch.randn(2, 3, 16, 16, generator=g)
     assert sqnr_db(m(x), q(x)) > 25
-@needs_pt2e
+@needs.pt2e
 def test_keeping_a_shared_module_keeps_every_call():
     from torchkiln.quantization import pt2e_flow
 
@@ -305,7 +302,7 @@ def test_keeping_a_shared_module_keeps_every_call():
     q = quiet(tk.quantize, m, "int8-static", calib_data=[x, x], keep=("act",), progress=False)
     assert q.kiln_quant.report.kept == ["act"]
     assert sqnr_db(m(x), q(x)) > 25
-@needs_pt2e
+@needs.pt2e
 def test_an_annotator_failure_names_the_scheme_and_what_works(monkeypatch):
     from torchkiln.quantization import pt2e_flow
 
@@ -324,7 +321,7 @@ def test_an_annotator_failure_names_the_scheme_and_what_works(monkeypatch):
         quiet(tk.quantize, mlp(), "int8-static", calib_data=data(), progress=False)
 
 
-@needs_pt2e
+@needs.pt2e
 @pytest.mark.slow
 def test_zoo_resnet50_int8_static_quantizes_every_layer():
     """The whole model torchao once refused: 53 convs + fc, held to the report's 15 dB bar and
@@ -340,7 +337,7 @@ def test_zoo_resnet50_int8_static_quantizes_every_layer():
     with torch.no_grad():
         ref, out = m(x), q(x)
     assert sqnr_db(ref, out) > 20 and torch.equal(ref.argmax(1), out.argmax(1))
-@needs_pt2e
+@needs.pt2e
 def test_stock_pt2e_int8_retries_the_tutorial_export_and_says_why():
     """The benchmarks' stock peer: the tutorial's non-strict export is refused on a shared ReLU
     (torch 2.13; other versions may accept it), the strict retry quantizes."""
@@ -469,7 +466,7 @@ def test_cpu_weight_only_backend_follows_the_model_dtype():
     assert tk.quantization.info(q).backend == "kernels"
     assert all(isinstance(q[i], Int8Linear) and q[i].cpu_kernel for i in (0, 2, 4))
     assert sqnr_db(half(x.bfloat16()).float(), q(x.bfloat16()).float()) > 25
-@needs_pt2e
+@needs.pt2e
 def test_cpu_plan_adds_the_cpp_wrapper_for_pt2e_graphs_only():
     """pt2e int8 graphs are served with inductor's C++ wrapper on the CPU (resnet50 1.08x, bert-base 1.04x
     in one A/B, benchmarks/diag_quant_wrapper.py); torchkiln's weight-only layers are not."""
@@ -493,7 +490,7 @@ class TinyAttention(nn.Module):
         q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
         a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :].bool())
         return self.out(a.transpose(1, 2).reshape(b, t, d))
-@needs_pt2e
+@needs.pt2e
 def test_int8_graph_attention_is_routable_and_planned_in_bf16_on_native_bf16_cpus():
     """The converted graph calls F.scaled_dot_product_attention (export records the aten op, which the
     attention router cannot see), with the same outputs; the plan times the bf16 math form only where
@@ -528,7 +525,7 @@ def test_int8_graph_attention_is_routable_and_planned_in_bf16_on_native_bf16_cpu
     assert plan(q.kiln_quant, "cpu", "O1", bf16_native=True).attention == "auto-bf16"
     assert plan(q.kiln_quant, "cpu", "O1", bf16_native=False).attention == "sdpa"
     assert plan(q.kiln_quant, "cuda", "O1", bf16_native=True).attention == "sdpa"
-@needs_pt2e
+@needs.pt2e
 def test_static_int8_calibrated_at_batch_1_serves_other_batch_sizes():
     """Export specializes size-1 dimensions: a model quantized from batch-1 samples used to accept batch 1
     only (the zoo resnet50 raised "Guard failed: x.size()[0] == 1" at batch 2)."""
@@ -551,7 +548,7 @@ def test_fp8_on_the_cpu_is_a_clear_error():
                  lambda: tk.optimize(mlp, quantize="fp8", sample_input=torch.randn(4, 64))):
         with pytest.raises(ValueError, match=r"scheme='fp8' cannot run on cpu: .*int8-static"):
             call()
-@needs_pt2e
+@needs.pt2e
 def test_an_int8_cnn_keeps_its_compiled_graph_at_a_second_batch_size():
     """A second batch size made torch.compile recompile with symbolic sizes, where inductor's int8
     conv asserts contiguous strides on its channels-last output: the served int8 graph failed on the
