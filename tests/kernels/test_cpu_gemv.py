@@ -45,13 +45,42 @@ def reference(x, w, s):
 @pytest.mark.parametrize("n,k,lead", [(13, 37, (1,)), (64, 1024, (1, 1)), (1000, 300, (1,)), (24, 40, (3,))])
 def test_matches_a_float64_product(op, wdtype, xdtype, n, k, lead):
     """Odd widths (the scalar tail), odd row counts (the last block), leading dims, several rows of x.
-    The output is in x's dtype: float32 within accumulation error, bf16 within its rounding (2^-8)."""
+    The output is in x's dtype: float32 within accumulation error, bf16 within its rounding (2^-8).
+    int8 weights: x is rounded to int16 per 256-value chunk first (cpu_gemv.cpp), half a step of
+    1/32767 of the chunk's largest |x| per value, so float32 outputs hold to 2e-4 (measured ~3e-5)."""
     x, w, s = operands(n, k, wdtype, xdtype, lead)
     y = op(x, w, s)
     ref = reference(x, w, s)
     assert y.dtype == xdtype and y.shape == (*lead, n)
-    rtol = 1e-5 if xdtype == torch.float32 else 2 ** -8
-    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=1e-5 * ref.abs().max().item())
+    tol = 1e-5 if wdtype != torch.int8 else 2e-4
+    rtol = tol if xdtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=tol * ref.abs().max().item())
+
+
+@here
+def test_int8_rounds_x_per_chunk_within_its_bound(op):
+    """The int8 path's only extra error is x's int16 rounding per 256-value chunk: with an outlier
+    1000x the rest in one chunk, each output stays within half a step (chunk max / 32767 / 2) times
+    the sum of |w| over that chunk's columns, against a float64 product of the unrounded x; rows
+    with inf or NaN are summed in float and give inf / NaN where F.linear does."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 64, 600  # chunks of 256, 256 and 88
+    x = torch.randn(1, k, generator=g)
+    x[0, 300] = 1000.0
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.ones(n)
+    got = op(x, w, s).double()
+    ref = x.double() @ w.double().t()
+    bound = sum(x[0, c:c + 256].abs().max().item() / 32767 / 2 * w[:, c:c + 256].double().abs().sum(1)
+                for c in range(0, k, 256))
+    assert bool(((got - ref).abs() <= bound + 1e-6 * ref.abs()).all())
+    assert float((got - ref).abs().max()) > 0  # it does round: this is not the float path
+    bad = torch.randn(2, k, generator=g)
+    bad[1, 7] = float("inf")
+    want = torch.nn.functional.linear(bad, w.float())
+    out = op(bad, w, s)
+    assert torch.equal(out[1].isnan(), want[1].isnan()) and torch.equal(out[1].isinf(), want[1].isinf())
+    torch.testing.assert_close(out[0], want[0], rtol=2e-4, atol=2e-4 * want[0].abs().max().item())
 
 
 @here

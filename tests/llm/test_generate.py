@@ -552,7 +552,8 @@ def test_int8_decode_takes_the_cpu_kernel_where_measured_faster(monkeypatch, dty
     for m in mods:
         m.row_kernel = False
     ref = _fast_logits(runner, ids, 7)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # float32: the kernel rounds x to int16 per 256-value chunk (kernels/cpu_gemv.cpp), ~3e-5 a product
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
     assert max(rel(g.float(), r.float()) for g, r in zip(got[1:], ref[1:], strict=True)) < tol
 
 

@@ -5,10 +5,19 @@
 // weight once, but on a 2-core AMD EPYC (Zen 3, AVX2) torch's own kernels read it well below the
 // copy bandwidth: F.linear 14-19 GB/s in float32 and bfloat16, _weight_int8pack_mm 9-13 GB/s in
 // int8, inductor's compiled reduction 12-19 GB/s in float/bf16 and 1-2 GB/s in int8 (its int8
-// vector load goes through a buffer). This kernel: 28-32 GB/s float32, 19-28 bf16, 14-21 int8 on
-// llama-350m's shapes (benchmarks/llm_gemv_cpu.py; RESULTS.md, thirteenth session). What it does
-// differently: several weight rows per step share each x load (R independent streams in flight),
-// two accumulators per row (FMA latency), and int8/bf16 widen in registers.
+// vector load goes through a buffer). This kernel: 28-32 GB/s float32, 19-28 bf16 on llama-350m's
+// shapes (benchmarks/llm_gemv_cpu.py; RESULTS.md, thirteenth session). What it does differently:
+// several weight rows per step share each x load (R independent streams in flight), two
+// accumulators per row (FMA latency), and bf16 widens in registers.
+//
+// int8 weights take an integer path: x is rounded to int16 per chunk of 256 values (one float
+// scale each), each weight is widened to int16 and multiplied-and-paired into int32 with
+// _mm256_madd_epi16, and each chunk's int32 sums are scaled into float once. Widening every int8
+// to float32 (the first form) cost ~3 instructions per weight and read 11-15 GB/s; this reads
+// 14-19 GB/s with a software prefetch 2 KB ahead (1.28-1.44x on llama-350m's shapes, two cores;
+// RESULTS.md, nineteenth session). The price is x's rounding: at most half a step of 1/32767 of
+// its chunk's largest |x| per value (~3e-5 relative error in a float32 output), against the int8
+// weights' own 1/254.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,9 +25,12 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -38,8 +50,6 @@ inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of a float
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-inline __m256 widen(__m128i low8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low8)); }
-inline __m256 load8(const int8_t* p) { return widen(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
@@ -54,19 +64,6 @@ void block(const float* x, const W* w, int64_t K, int64_t n0, int64_t count, flo
   for (int r = 0; r < R; r++) a[r] = b[r] = _mm256_setzero_ps();
   const W* base = w + n0 * K;
   int64_t k = 0;
-  if constexpr (std::is_same_v<W, int8_t>) {  // one 32-byte load per step, four accumulators
-    for (; count == R && k + 32 <= K; k += 32) {
-      __m256 x0 = load8(x + k), x1 = load8(x + k + 8), x2 = load8(x + k + 16), x3 = load8(x + k + 24);
-      for (int r = 0; r < R; r++) {
-        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * K + k));
-        __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-        a[r] = _mm256_fmadd_ps(x0, widen(lo), a[r]);
-        b[r] = _mm256_fmadd_ps(x1, widen(_mm_srli_si128(lo, 8)), b[r]);
-        a[r] = _mm256_fmadd_ps(x2, widen(hi), a[r]);
-        b[r] = _mm256_fmadd_ps(x3, widen(_mm_srli_si128(hi, 8)), b[r]);
-      }
-    }
-  }
   if (count == R) {  // the hot loop: R is a constant, the accumulators stay in registers
     for (; k + 16 <= K; k += 16) {
       __m256 x0 = load8(x + k), x1 = load8(x + k + 8);
@@ -90,6 +87,81 @@ void block(const float* x, const W* w, int64_t K, int64_t n0, int64_t count, flo
   }
 }
 
+
+constexpr int64_t CHUNK = 256;  // x values per int16 scale (int32 sums cannot overflow: 32 products of
+                                // at most 127 * 32767 per lane and chunk)
+constexpr int64_t AHEAD = 2048;  // software prefetch distance in weight bytes (1024: slower, 4096: no faster)
+
+// x (M rows of K) rounded to int16 per chunk: xq[m * K + k] * xs[m * chunks + c] ~ x[m * K + k].
+// Returns false for a row holding inf or NaN (its products are then summed in float, as F.linear's).
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs, std::vector<char>& finite) {
+  const int64_t chunks = (K + CHUNK - 1) / CHUNK;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = 0; c < chunks; c++) {
+      const float* xr = x + m * K;
+      const int64_t k0 = c * CHUNK, k1 = std::min(K, k0 + CHUNK);
+      float top = 0;
+      for (int64_t k = k0; k < k1; k++) top = std::max(top, std::fabs(xr[k]));
+      if (!std::isfinite(top)) {
+        finite[m] = 0;
+        continue;
+      }
+      const float step = top > 0 ? top / 32767.f : 1.f, inv = 1.f / step;
+      xs[m * chunks + c] = step;
+      for (int64_t k = k0; k < k1; k++) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    }
+}
+
+inline __m256i pairs(const int8_t* w, const int16_t* x) {  // 16 weights times 16 x: 8 int32 sums of two
+  __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_madd_epi16(w16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// One int8 weight row against one quantized row of x: sum_k w[k] * xq[k] * xs[k / CHUNK].
+float int8_row(const int16_t* xq, const float* xs, const int8_t* w, int64_t K) {
+  __m256 f = _mm256_setzero_ps();
+  float tail = 0;
+  for (int64_t c = 0, k0 = 0; k0 < K; c++, k0 += CHUNK) {
+    const int64_t k1 = std::min(K, k0 + CHUNK);
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + AHEAD), _MM_HINT_T0);
+      a = _mm256_add_epi32(a, _mm256_add_epi32(pairs(w + k, xq + k), pairs(w + k + 32, xq + k + 32)));
+      b = _mm256_add_epi32(b, _mm256_add_epi32(pairs(w + k + 16, xq + k + 16), pairs(w + k + 48, xq + k + 48)));
+    }
+    for (; k + 16 <= k1; k += 16) a = _mm256_add_epi32(a, pairs(w + k, xq + k));
+    int32_t rest = 0;
+    for (; k < k1; k++) rest += int32_t(w[k]) * xq[k];
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)), _mm256_set1_ps(xs[c]), f);
+    tail += float(rest) * xs[c];
+  }
+  return hsum(f) + tail;
+}
+
+template <typename O>
+void run_int8(const float* x, int64_t M, const int8_t* w, const float* scale, O* y, int64_t N, int64_t K) {
+  const int64_t chunks = (K + CHUNK - 1) / CHUNK;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * chunks);
+  std::vector<char> finite(M, 1);
+  quantize_rows(x, M, K, xq.data(), xs.data(), finite);
+  // at least ~64 KB of weight per task, so small layers don't pay for waking threads
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t m = 0; m < M; m++) {  // the row's weights stay in cache across rows of x
+        float sum = 0;
+        if (finite[m]) {
+          sum = int8_row(xq.data() + m * K, xs.data() + m * chunks, w + n * K, K);
+        } else {
+          for (int64_t k = 0; k < K; k++) sum += x[m * K + k] * float(w[n * K + k]);
+        }
+        y[m * N + n] = static_cast<O>(sum * scale[n]);
+      }
+  });
+}
+
 template <int R, typename W, typename O>
 void run(const float* x, int64_t M, const W* w, const float* scale, O* y, int64_t N, int64_t K) {
   int64_t blocks = (N + R - 1) / R;
@@ -111,13 +183,19 @@ void run(const float* x, int64_t M, const W* w, const float* scale, O* y, int64_
 template <typename W>
 void dispatch_out(const float* x, int64_t M, const W* w, const float* scale, const at::Tensor& y,
                   int64_t N, int64_t K) {
-  // Rows per block, the fastest of 1/2/4/8 per type on the shapes above: 8 for bf16, 4 for float32;
-  // int8 one row at a time, 32 bytes a step (R = 4 with 8-byte steps read 11-15 GB/s, this 17-21)
-  constexpr int R = std::is_same_v<W, at::BFloat16> ? 8 : std::is_same_v<W, int8_t> ? 1 : 4;
-  if (y.scalar_type() == at::kBFloat16)
+  // Rows per block, the fastest of 1/2/4/8 per type on the shapes above: 8 for bf16, 4 for float32
+  constexpr int R = std::is_same_v<W, at::BFloat16> ? 8 : 4;
+  const bool bf = y.scalar_type() == at::kBFloat16;
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (bf)
+      run_int8(x, M, w, scale, y.data_ptr<at::BFloat16>(), N, K);
+    else
+      run_int8(x, M, w, scale, y.data_ptr<float>(), N, K);
+  } else if (bf) {
     run<R>(x, M, w, scale, y.data_ptr<at::BFloat16>(), N, K);
-  else
+  } else {
     run<R>(x, M, w, scale, y.data_ptr<float>(), N, K);
+  }
 }
 
 at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& scale) {
