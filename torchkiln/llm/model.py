@@ -248,14 +248,18 @@ FORMS = {"reduction": RowLinear, "kernel": KernelLinear}  # one-row forms beside
 
 def time_forms(forms: dict, args: list[tuple], rounds: int = 5) -> dict[str, float]:
     """us per call of each function in ``forms``, compiled, over ``args`` (one tuple per layer,
-    cycled so the weights come from memory as in decode), interleaved over ``rounds``; medians."""
+    cycled so the weights come from memory as in decode), interleaved over ``rounds``; each form's
+    fastest round. Not the median: a burst of other work on a 2-core host slows every round it
+    overlaps and only ever adds time, and a llama-350m build once timed the int8 kernel at 1737 us
+    (424-557 us in the builds before and after) and kept the slower form (RESULTS.md, nineteenth
+    session)."""
     forms = {name: torch.compile(fresh(fn), dynamic=False) for name, fn in forms.items()}
     with torch.no_grad():
         for fn in forms.values():  # warm-up: compiles
             [fn(*a) for a in args[:2]]
         calls = {name: (lambda fn=fn: [fn(*a) for a in args]) for name, fn in forms.items()}
         times = interleaved(calls, torch.device("cpu"), 0.0, min_rounds=rounds, max_rounds=rounds, prune=1e9)
-    return {name: statistics.median(t) / len(args) * 1e6 for name, t in times.items()}
+    return {name: min(t) / len(args) * 1e6 for name, t in times.items()}
 
 
 def pick(times: dict[str, float], base: str, margin: float = 0.9) -> str:
