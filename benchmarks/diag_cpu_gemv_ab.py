@@ -15,10 +15,10 @@ import argparse
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from llm_gemv_cpu import one
 
 from torchkiln.kernels import cpu_gemv
 from torchkiln.llm import bench
@@ -71,14 +71,11 @@ def main() -> int:
                     s = (torch.rand(n) / 100).to(xd) if wd == torch.int8 else None
                     x = torch.randn(rows, k).to(xd)
                     forms = {"other": torch.ops.kiln_ab.cpu_gemv, "this": torch.ops.torchkiln.cpu_gemv}
+                    args = [(x, w, s) for w in ws]
                     times = {f: [] for f in forms}
-                    reps = max(48, 2 * copies)
                     for _ in range(a.rounds):
                         for f, op in forms.items():
-                            t = time.perf_counter()
-                            for i in range(reps):
-                                op(x, ws[i % copies], s)
-                            times[f].append((time.perf_counter() - t) / reps)
+                            times[f].append(one(op, args, max(48, 2 * copies)))
                     old, new = (size / statistics.median(times[f]) / 1e9 for f in forms)
                     print(f"| {wname} | {xname} | {rows} | {name} {n}x{k} | {old:.1f} | {new:.1f} | {new / old:.2f}x |",
                           flush=True)

@@ -178,14 +178,15 @@ def test_the_build_is_cached_by_source_and_torch(monkeypatch, tmp_path):
 @here
 @pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_strided_x_and_any_float_scale(op, sdtype):
-    """x read through a strided view and scales of any float dtype (float16 goes through a copy,
-    float32 and bfloat16 are read in place) give the float64 product of the same values."""
+    """x and the scales read through strided views, scales of any float dtype (float16 goes through
+    a copy, float32 and bfloat16 are read in place), give the float64 product of the same values."""
     g = torch.Generator().manual_seed(4)
     wide = torch.randn(3, 2 * 320, generator=g).to(torch.bfloat16)
     x = wide[:, ::2]
     assert not x.is_contiguous()
     w = torch.randint(-127, 128, (48, 320), generator=g, dtype=torch.int8)
-    s = (torch.rand(48, generator=g) / 100).to(sdtype)
+    s = (torch.rand(96, generator=g) / 100).to(sdtype)[::2]
+    assert not s.is_contiguous()
     got = op(x, w, s)
     ref = reference(x, w, s)
     torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=2e-4 * ref.abs().max().item())

@@ -13,9 +13,9 @@
 // int8 weights take an integer path: x is rounded to int16 per chunk of 256 values (one float
 // scale each), each weight is widened to int16 and multiplied-and-paired into int32 with
 // _mm256_madd_epi16, and each chunk's int32 sums are scaled into float once. Widening every int8
-// to float32 (the first form) cost ~3 instructions per weight and read 11-15 GB/s; this reads
-// 14-19 GB/s with a software prefetch 2 KB ahead (1.28-1.44x on llama-350m's shapes, two cores;
-// RESULTS.md, nineteenth session). The price is x's rounding: at most half a step of 1/32767 of
+// to float32 (the first form) cost ~3 instructions per weight and read 10-17 GB/s at one row; this
+// reads 16-22 GB/s, with a software prefetch 2 KB ahead (1.21-1.72x on llama-350m's shapes, two
+// cores; benchmarks/diag_cpu_gemv_ab.py, RESULTS.md nineteenth session). The price is x's rounding: at most half a step of 1/32767 of
 // its chunk's largest |x| per value (~3e-5 relative error in a float32 output), against the int8
 // weights' own 1/254.
 #include <ATen/Parallel.h>
@@ -87,18 +87,17 @@ void block(const float* x, const W* w, int64_t K, int64_t n0, int64_t count, flo
   }
 }
 
-
 constexpr int64_t CHUNK = 256;  // x values per int16 scale (int32 sums cannot overflow: 32 products of
                                 // at most 127 * 32767 per lane and chunk)
 constexpr int64_t AHEAD = 2048;  // software prefetch distance in weight bytes (1024: slower, 4096: no faster)
 
 // x (M rows of K) rounded to int16 per chunk: xq[m * K + k] * xs[m * chunks + c] ~ x[m * K + k].
-// Returns false for a row holding inf or NaN (its products are then summed in float, as F.linear's).
+// A row holding inf or NaN is marked in ``finite`` (its products are then summed in float, as F.linear's).
 void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs, std::vector<char>& finite) {
   const int64_t chunks = (K + CHUNK - 1) / CHUNK;
-  for (int64_t m = 0; m < M; m++)
+  for (int64_t m = 0; m < M; m++) {
+    const float* xr = x + m * K;
     for (int64_t c = 0; c < chunks; c++) {
-      const float* xr = x + m * K;
       const int64_t k0 = c * CHUNK, k1 = std::min(K, k0 + CHUNK);
       float top = 0;
       for (int64_t k = k0; k < k1; k++) top = std::max(top, std::fabs(xr[k]));
@@ -110,6 +109,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs,
       xs[m * chunks + c] = step;
       for (int64_t k = k0; k < k1; k++) xq[m * K + k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
     }
+  }
 }
 
 inline __m256i pairs(const int8_t* w, const int16_t* x) {  // 16 weights times 16 x: 8 int32 sums of two
@@ -236,9 +236,10 @@ at::Tensor cpu_gemv(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* xp = as_float(xc, xbuf);
   at::Tensor s;
   const float* sp = nullptr;
-  if (scale.has_value()) {
-    s = scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16 ? *scale : scale->to(at::kFloat);
-    sp = as_float(s.is_contiguous() ? s : s.contiguous(), sbuf);
+  if (scale.has_value()) {  // kept in s: as_float may point into it
+    const auto st = scale->scalar_type();
+    s = (st == at::kFloat || st == at::kBFloat16 ? *scale : scale->to(at::kFloat)).contiguous();
+    sp = as_float(s, sbuf);
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = N;
