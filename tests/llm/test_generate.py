@@ -122,6 +122,41 @@ def test_compiled_decode_matches_hf(models):
     assert torch.equal(again, model.generate(prompt(seed=6, length=5), max_new_tokens=6, **GREEDY))
 
 
+def test_cpu_decode_steps_down_from_a_failed_cpp_wrapper_to_the_python_one(monkeypatch):
+    """The CPU step compiles with inductor's C++ wrapper where this torch has it; when that
+    compile fails, the same step compiles with the Python wrapper (not eager), and says so."""
+    from torchkiln.llm import runner as R
+
+    model = build("llama", seed=4)
+    ids = prompt(seed=5)
+    want = model.generate(ids, max_new_tokens=6, **GREEDY)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), want)
+    assert fast.kiln_report.wrapper == ("C++" if R.cpu_options() else "Python")
+
+    built = R.Runner._build
+
+    def cpp_fails(self, every=False):
+        step = built(self, every)
+        if not self.options.get("cpp_wrapper"):
+            return step
+
+        def fail(*args):
+            raise RuntimeError("C++ wrapper: compile error (injected)")
+        return fail
+
+    monkeypatch.setattr(R.Runner, "_build", cpp_fails)
+    monkeypatch.setattr(R, "CPU_OPTIONS", {"cpp_wrapper": True})  # there on every torch >= 2.6
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=True)
+    with pytest.warns(UserWarning, match="C\\+\\+ wrapper failed"):
+        got = fast.generate(ids, max_new_tokens=6, **GREEDY)
+    assert torch.equal(got, want)
+    report = fast.kiln_report
+    assert report.wrapper == "Python" and len(report.compile_s) == 1
+    assert [f for f in report.fallbacks if "C++ wrapper -> Python wrapper: C++ wrapper: compile error" in f]
+    assert not [f for f in report.fallbacks if "-> eager" in f]
+
+
 def test_stop_tokens_one_or_several_and_padding_after_stop(models):
     model, fast = models("llama")
     ids = prompt(2, 6, seed=7)

@@ -64,6 +64,7 @@ class LLMReport:
                                          # (quantization/gemv.py's float GEMV), with the times
     attention: str | None = None         # the decode step's one-query attention: "kernel" (CUDA,
                                          # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
+    wrapper: str | None = None           # the compiled decode step's wrapper: "C++" (CPU) or "Python"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,8 +75,8 @@ class LLMReport:
         if self.reason:
             lines.append(f"  why not fast: {self.reason}")
         if self.path == "fast":
-            lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}); "
-                         f"compile s: {self.compile_s or 'not yet'}")
+            lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}; wrapper: "
+                         f"{self.wrapper or 'not yet'}); compile s: {self.compile_s or 'not yet'}")
             lines.append(f"  verified against the model's forward: max rel error {self.verify_error:.2e}")
             lines.append(f"  decode attention: {self.attention}")
             if self.cpu_gemv:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .._log import warn_once
+from ..compiled import Unguarded
 from ..modelutil import first_line, is_oom
 from .model import FastDecoder, captured, fresh
 
@@ -28,6 +29,11 @@ CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length co
 # "triton.cudagraphs" is what mode="reduce-overhead" sets; coordinate-descent tuning tunes the
 # batch-1 GEMV/reduction kernels' launch configs (gpt-fast sets it globally).
 CUDA_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+# On the CPU, a C++ wrapper around the step's kernels instead of a Python one: ~100 op calls per
+# step from Python cost 0.65-0.9 ms of a 19 ms llama-350m int8 decode step on a 2-core Zen 3
+# (RESULTS.md, twentieth session). Its price is compile time: about +10-15 s cold there (the
+# wrapper compiled apart from the kernels, at -O1; in one file with them, at -O3, it took 130 s).
+CPU_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 # Prompts up to this wide prefill through CUDA graphs, padded on the right to a multiple of
 # PREFILL_ROUND (at most 256 / 32 = 8 graphs per cache shape, sharing one memory pool). Wider
 # prompts are compute-bound: launches are a small share of their time.
@@ -53,7 +59,7 @@ class Runner:
         self.compile, self.cudagraphs = compile, cudagraphs
         self.max_seq_len, self.report = max_seq_len, report
         self._steps: dict = {}  # (kind, width, batch, cache length) -> the step that runs it
-        self.options = dict(CUDA_OPTIONS) if cudagraphs else {}
+        self.options = dict(CUDA_OPTIONS) if cudagraphs else cpu_options() if device.type == "cpu" else {}
         self.prefill_graphs = cudagraphs  # off for good after a failed capture
         self._graphs: dict = {}  # (width, batch, cache length) -> a captured prefill
         self._pool = None
@@ -161,6 +167,12 @@ class Runner:
         except Exception as e:  # noqa: BLE001
             if not self.compile or is_oom(e):
                 raise
+            if self.options.pop("cpp_wrapper", False):  # one level down: the Python wrapper
+                self.options.pop("cpp_wrapper_build_separate", None)
+                self.report.fallbacks.append(f"compiled {kind} step, C++ wrapper -> Python wrapper: {first_line(e)}")
+                warn_once("llm-cpp-wrapper", f"torchkiln.llm: the compiled {kind} step's C++ wrapper failed "
+                          f"({first_line(e)}); compiling it with the Python wrapper", owner=self)
+                return self._call(kind, tokens, slots, positions)
             self.compile = self.cudagraphs = False
             self.report.fallbacks.append(f"compiled {kind} step -> eager: {first_line(e)}")
             warn_once("llm-compile", f"torchkiln.llm: the compiled {kind} step failed ({first_line(e)}); "
@@ -170,6 +182,7 @@ class Runner:
         else:
             if self.compile:
                 self.report.compile_s.append(round(time.perf_counter() - t0, 2))
+                self.report.wrapper = "C++" if self.options.get("cpp_wrapper") else "Python"
         self._steps[key] = step
         return out
 
@@ -181,4 +194,15 @@ class Runner:
         # and every FastDecoder shares forward's, so the 5th model of a process (or a model's 9th
         # batch/cache shape) reached the recompile limit (8) and decoded eagerly from then on.
         step = fresh(lambda tokens, slots, positions: decoder(tokens, slots, positions, every=every))
-        return torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
+        step = torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
+        # keyed by shapes above and rebuilt with the decoder, its guards can only pass: skip them
+        return Unguarded(step, self.device.type)
+
+
+def cpu_options() -> dict:
+    """CPU_OPTIONS where this torch's inductor has them all (torch.compile rejects an option it
+    does not know); else none. Without cpp_wrapper_build_separate (older torch, 2.6 among them)
+    the wrapper is compiled with the kernels at -O3, which took the 130 s above: not worth 5%."""
+    import torch._inductor.config as inductor
+
+    return dict(CPU_OPTIONS) if all(hasattr(inductor, k) for k in CPU_OPTIONS) else {}
