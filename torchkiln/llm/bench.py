@@ -11,8 +11,9 @@ rounds (one call of each per round, medians reported):
 
 Per peer: prefill latency (generate of one token), per-token decode latency ((T(n) - T(1)) /
 (n - 1)), tokens/s (n / T(n), what users see), the weight bandwidth that decode rate implies
-(weight bytes read per token x decode tokens/s; torchkiln's bytes as served, ``decoder_bytes``) and its share of the device's copy bandwidth
-measured in the same run, and the first call's time (compile included).
+(weight bytes read per token x decode tokens/s; torchkiln's bytes as served, ``decoder_bytes``) and its
+share of the device's copy bandwidth (measured before the rounds and again in each, interleaved with the
+peers; the median), and the first call's time (compile included).
 """
 
 from __future__ import annotations
@@ -155,7 +156,10 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
         if "torchkiln" in fast:
             add("torchkiln+lookup", lambda n: fast["torchkiln"].generate(ids, max_new_tokens=n,
                                                                          prompt_lookup_num_tokens=lookup, **kw), base)
-    bw = copy_bandwidth(device)
+    # measured again in every round, interleaved with the peers, and the median taken: on a shared
+    # 2-core host one measurement read 20.5-30.4 GB/s across four back-to-back runs (RESULTS.md,
+    # twentieth session), which moved the "% of copy bw" of an unchanged peer by 15 points
+    bws = [copy_bandwidth(device)]
     reference, ref_peer = None, ""
     for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
         if progress:
@@ -175,6 +179,7 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
     for r in range(rounds):
         if progress:
             print(f"  round {r + 1}/{rounds}", flush=True)
+        bws.append(copy_bandwidth(device))
         for peer, fn in gens.items():
             for key, n in (("n", new), ("1", 1)):
                 synchronize(device)
@@ -182,6 +187,7 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
                 fn(n)
                 synchronize(device)
                 times[peer][key].append(time.perf_counter() - t)
+    bw = statistics.median(bws)
     rows = []
     for peer in gens:
         tn, t1 = statistics.median(times[peer]["n"]), statistics.median(times[peer]["1"])
@@ -190,6 +196,7 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
         rows.append(Row(peer, round(first[peer], 1), t1 * 1e3, dec * 1e3, batch * new / tn, gbps, gbps * 1e9 / bw))
     info = {"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": batch,
             "prompt": prompt, "new_tokens": new, "rounds": rounds, "copy_GBps": round(bw / 1e9, 1),
+            "copy_GBps_range": [round(min(bws) / 1e9, 1), round(max(bws) / 1e9, 1)],
             "weight_GB": round(base / 1e9, 3), "notes": {k: v for k, v in first.items() if "differ" in k},
             "reports": {p: m.kiln_report.to_dict() for p, m in fast.items()}, "lookup": lookup}
     return rows, info
@@ -198,7 +205,8 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
 def table(rows: list, info: dict) -> str:
     base = next((r for r in rows if r.peer == "hf-eager"), rows[0])
     lines = [f"{info['model']} on {info['device']}, {info['dtype']}, batch {info['batch']}, prompt {info['prompt']}, "
-             f"{info['new_tokens']} new tokens, {info['rounds']} rounds; copy bandwidth {info['copy_GBps']} GB/s, "
+             f"{info['new_tokens']} new tokens, {info['rounds']} rounds; copy bandwidth {info['copy_GBps']} GB/s "
+             f"(median of {info['rounds'] + 1}, {'-'.join(map(str, info.get('copy_GBps_range', [])))}), "
              f"weights {info['weight_GB']} GB",
              f"| peer | first call s | prefill ms | decode ms/token | tok/s | x {base.peer} | weight GB/s | % of copy bw |",
              "|---|---|---|---|---|---|---|---|"]
