@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from .._log import warn_once
-from ..compiled import Unguarded
 from ..modelutil import first_line, is_oom
 from .model import FastDecoder, captured, fresh
 
@@ -194,9 +193,7 @@ class Runner:
         # and every FastDecoder shares forward's, so the 5th model of a process (or a model's 9th
         # batch/cache shape) reached the recompile limit (8) and decoded eagerly from then on.
         step = fresh(lambda tokens, slots, positions: decoder(tokens, slots, positions, every=every))
-        step = torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
-        # keyed by shapes above and rebuilt with the decoder, its guards can only pass: skip them
-        return Unguarded(step, self.device.type)
+        return torch.compile(step, options=self.options or None, fullgraph=True, dynamic=False)
 
 
 def cpu_options() -> dict:
