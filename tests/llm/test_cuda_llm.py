@@ -30,6 +30,19 @@ def test_cuda_graph_decode_matches_hf_fp32(family):
     assert len(fast.kiln_report.compile_s) == 1
 
 
+def test_stop_tokens_read_one_token_late_match_hf():
+    """On CUDA generate reads "every row stopped" a token late (generate.StopCheck): the same
+    tokens as transformers, rows stopping at different steps."""
+    model = build("llama").cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1)).cuda()
+    free = model.generate(ids, max_new_tokens=12, **GREEDY)
+    stops = [int(free[0, 7 + 3]), int(free[1, 7 + 6])]
+    for eos, n in ((stops[0], 12), (stops, 12), (stops, 4), (1, 12)):
+        kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw)), (eos, n)
+
+
 def test_auto_dtype_is_bf16_and_tokens_mostly_agree():
     model = build("llama", seed=2).cuda()
     fast = tk.llm.optimize(model)

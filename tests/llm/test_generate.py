@@ -170,6 +170,39 @@ def test_stop_tokens_one_or_several_and_padding_after_stop(models):
     assert int(got[0, -1]) == stop_a and got.shape[1] <= 6 + 3  # stopped at the stop token
 
 
+def test_a_stop_read_one_token_late_gives_transformers_tokens(models, monkeypatch):
+    """CUDA reads "every row stopped" one token late (generate.StopCheck); forced on here, the
+    token decoded past the stop is dropped: rows stopping at different steps, the last row
+    stopping on the last allowed token, and no stop at all all give transformers' tokens."""
+    from torchkiln.llm import generate as G
+
+    calls = []
+    monkeypatch.setattr(G, "lagged", lambda *a: calls.append(a) or True)
+    model, fast = models("llama")
+    ids = prompt(2, 6, seed=7)
+    free = model.generate(ids, max_new_tokens=10, **GREEDY)
+    stop_a, stop_b = int(free[0, 6 + 2]), int(free[1, 6 + 4])  # greedy reaches them at steps 3 and 5
+    for eos, n in ((stop_a, 10), ([stop_a, stop_b], 10), ([stop_a, stop_b], 5), (stop_a, 3), (1, 10)):
+        kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        want = model.generate(ids, **kw)
+        got = fast.generate(ids, **kw)
+        assert torch.equal(got, want), (eos, n)
+        one = fast.generate(ids[1:], **kw)
+        assert torch.equal(one, model.generate(ids[1:], **kw)), (eos, n)
+    assert calls, "generate did not ask whether to read the stop late"
+
+
+def test_stop_check_reads_the_flag_queued_before():
+    from torchkiln.llm.generate import StopCheck
+
+    late = StopCheck(torch.device("cpu"))
+    assert not late.stopped()  # nothing queued yet
+    late.queue(torch.tensor(False))
+    assert not late.stopped()
+    late.queue(torch.tensor(True))
+    assert late.stopped()
+
+
 def test_min_new_tokens_and_repetition_penalty_match_hf(models):
     model, fast = models("qwen2")
     ids = prompt(seed=8)
