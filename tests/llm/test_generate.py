@@ -232,6 +232,24 @@ def test_processors_match_transformers():
     assert torch.allclose(got[~torch.isinf(got)], ref[~torch.isinf(ref)])
 
 
+def test_min_new_tokens_masks_the_stops_with_or_without_a_device_tensor():
+    """Below min_new_tokens the stop tokens' scores are -inf, as transformers' MinNewTokensLength
+    processor sets them; from a tensor of the stops made once (generate's) or from the tuple."""
+    from transformers.generation import logits_process as lp
+
+    from torchkiln.llm.sampling import Sampling, process
+
+    scores = torch.randn(2, 20, generator=torch.Generator().manual_seed(0))
+    seq = torch.zeros(2, 5, dtype=torch.long)
+    s = Sampling(min_new_tokens=3, eos=(4, 7, 4))
+    ref = lp.MinNewTokensLengthLogitsProcessor(4, 3, [4, 7])(seq, scores.clone())
+    for stops in (None, torch.tensor(s.eos)):
+        kept = scores.clone()
+        got = process(kept, seq, 1, s, stops)
+        assert torch.equal(got, ref) and torch.equal(kept, scores)  # the caller's scores untouched
+    assert torch.equal(process(scores, seq, 3, s), scores)  # from min_new_tokens on: unchanged
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy(models):
     model, fast = models("llama")
     ids = prompt(seed=9)

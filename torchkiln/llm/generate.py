@@ -263,7 +263,7 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
     while i < req.max_new_tokens:
         if req.output_logits:
             logits_out.append(logits.clone())
-        scores = process(logits, seq, i, s)
+        scores = process(logits, seq, i, s, stops)
         if req.output_scores:
             scores_out.append(scores.clone())
         nxt = choose(scores, s, generator)

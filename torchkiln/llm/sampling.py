@@ -34,15 +34,18 @@ class Sampling:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1.0: off)")
 
 
-def process(scores: torch.Tensor, seq: torch.Tensor, new: int, s: Sampling) -> torch.Tensor:
-    """transformers' processors (penalty, min length) then, when sampling, its warpers."""
+def process(scores: torch.Tensor, seq: torch.Tensor, new: int, s: Sampling,
+            stops: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' processors (penalty, min length) then, when sampling, its warpers. ``stops``:
+    s.eos as a tensor on the scores' device, made once per generate (indexing with the Python
+    list copies it to the device each token: on CUDA a synchronous copy, a sync per token)."""
     if s.repetition_penalty != 1.0:
         picked = scores.gather(1, seq)
         picked = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
         scores = scores.scatter(1, seq, picked)
     if new < s.min_new_tokens and s.eos:
-        scores = scores.clone()
-        scores[:, list(s.eos)] = -float("inf")
+        stops = stops if stops is not None else torch.tensor(s.eos, device=scores.device)
+        scores = scores.index_fill(1, stops, -float("inf"))
     if not s.do_sample:
         return scores
     if s.temperature != 1.0:
