@@ -68,6 +68,7 @@ def _worker(rank, world, init, order, out):
         if rank == 0:
             torch.save([p.detach() for p in full], out)
         torch.save({"active": fast.kiln_report.active if hasattr(fast, "kiln_report") else None,
+                    "applied": list(fast.kiln_report.applied) if hasattr(fast, "kiln_report") else [],
                     "fallbacks": [f.reason for f in getattr(fast, "kiln_report", None).fallbacks]
                     if hasattr(fast, "kiln_report") else []}, f"{out}.{rank}")
         dist.barrier()  # no rank tears down while another still talks (an FSDP2 run aborted once there)
@@ -94,5 +95,20 @@ def test_ddp_two_processes_match_one(order):
         assert reports[0]["active"] == reports[1]["active"] and reports[0]["active"].startswith("eager"), reports
         assert any("another rank" in f for f in reports[0]["fallbacks"]), reports[0]
         assert any("injected on rank 1" in f for f in reports[1]["fallbacks"]), reports[1]
+    if order == "ddp-first":  # DDP inside: the compiled step, where it serves, is one graph
+        for rep in reports:
+            assert not rep["active"].startswith("compiled") or any("one graph under DDP" in a for a in rep["applied"]), rep
     for p, q in zip(got, ref.parameters(), strict=True):
         torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_one_graph_compiles_with_optimize_ddp_off_and_restores_it():
+    import torch._dynamo
+
+    from torchkiln.training.module import OneGraph, _under_ddp
+
+    before = torch._dynamo.config.optimize_ddp
+    seen = []
+    out = OneGraph(lambda x: seen.append(torch._dynamo.config.optimize_ddp) or x + 1)(torch.ones(1))
+    assert seen == [False] and torch._dynamo.config.optimize_ddp == before and float(out) == 2.0
+    assert not _under_ddp(net())
