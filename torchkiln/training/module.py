@@ -8,7 +8,8 @@ Candidates: the model eager (under autocast for bf16/fp16) and the same compiled
 match eager's outputs and every gradient within the guard's tolerance (relative to
 what autocast itself costs, as for inference), and then they are timed; the
 faster one serves. A failure of the compiled step later steps down to eager on
-the same inputs (an out-of-memory error is re-raised).
+the same inputs (an out-of-memory error is re-raised). Under DDP the compiled step is
+compiled as one graph (``OneGraph``: why, and the measurements, there).
 """
 
 from __future__ import annotations
