@@ -69,6 +69,8 @@ def _worker(rank, world, init, order, out):
             torch.save([p.detach() for p in full], out)
         torch.save({"active": fast.kiln_report.active if hasattr(fast, "kiln_report") else None,
                     "applied": list(fast.kiln_report.applied) if hasattr(fast, "kiln_report") else [],
+                    "one_graph": type(getattr(fast.module if isinstance(fast, DDP) else fast, "_compiled", None)).__name__
+                    == "OneGraph",
                     "fallbacks": [f.reason for f in getattr(fast, "kiln_report", None).fallbacks]
                     if hasattr(fast, "kiln_report") else []}, f"{out}.{rank}")
         dist.barrier()  # no rank tears down while another still talks (an FSDP2 run aborted once there)
@@ -95,7 +97,9 @@ def test_ddp_two_processes_match_one(order):
         assert reports[0]["active"] == reports[1]["active"] and reports[0]["active"].startswith("eager"), reports
         assert any("another rank" in f for f in reports[0]["fallbacks"]), reports[0]
         assert any("injected on rank 1" in f for f in reports[1]["fallbacks"]), reports[1]
-    if order == "ddp-first":  # DDP inside: the compiled step, where it serves, is one graph
+    if order in ("ddp-first", "ddp-after"):  # DDP inside torchkiln's model: its compiled step is one graph
+        assert all(rep["one_graph"] == (order == "ddp-first") for rep in reports), reports
+    if order == "ddp-first":  # and the report says so where it serves
         for rep in reports:
             assert not rep["active"].startswith("compiled") or any("one graph under DDP" in a for a in rep["applied"]), rep
     for p, q in zip(got, ref.parameters(), strict=True):
