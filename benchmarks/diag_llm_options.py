@@ -44,17 +44,20 @@ def main():
         if name == "inductor-o-down":
             cublas_projections(f._kiln_runner.decoder, on=False)
         fasts[name] = f
+    from torchkiln.llm import fused
     from torchkiln.llm import quant as llm_quant
 
     # int4-tinygemm / -torchao / -triton: force one int4 kernel; a "-bytes" suffix: the per-byte
     # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels; "-expr": int8 prefill through
-    # the dequantizing expression instead of the int8 matmul kernel (gemv.WIDE_ROWS)
+    # the dequantizing expression instead of the int8 matmul kernel (gemv.WIDE_ROWS); "-unfolded":
+    # int8 decode without the norms, residual adds and silu * up inside the GEMVs (llm/fused.py)
     wide_rows = gemv.WIDE_ROWS
     for q in [q for q in a.quant.split(",") if q]:
-        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr")]
+        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr", "unfolded")]
         llm_quant.INT4_IMPL = impl[0] if impl else "auto"
+        fused.ON = not q.endswith("-unfolded")
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
-    llm_quant.INT4_IMPL = "auto"
+    llm_quant.INT4_IMPL, fused.ON = "auto", True
 
     def one_row(name):  # set before every call: a graph (re)captured then takes that kernel
         gemv.ONE_ROW = "bytes" if name.endswith("-bytes") else "auto"

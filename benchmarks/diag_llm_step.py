@@ -58,8 +58,15 @@ def cublas_o_down(runner):
             setattr(layer, name, linear_of(m.weight, m.bias, CublasLinear))
 
 
+def unfolded(runner):
+    for layer in runner.decoder.layers:
+        layer.folded = None
+    runner.decoder.head_g = None
+
+
 TWEAKS = {  # each takes the Runner
     "served": lambda r: None,
+    "unfolded": unfolded,  # --quant int8: norms, residual adds and silu * up outside the GEMVs
     "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
     "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))
@@ -68,6 +75,7 @@ TWEAKS = {  # each takes the Runner
 }
 
 KINDS = [  # (kind, regex over the kernel name), first match wins
+    ("gemv (torchkiln Triton / tinygemm)", r"^_int8|^_int4|^_row|^_float|tinygemm"),
     ("gemv (cuBLAS)", r"gemv|gemm|cutlass|sm90_|splitKreduce|nvjet"),
     ("gemv (inductor, fused)", r"triton_red_fused.*(mm|addmm)"),
     ("attention", r"attention|flash|fmha|cudnn|softmax|sdpa|efficient"),
@@ -93,6 +101,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--quant", default=None, help="int8 or int4: every variant quantized so")
     a = ap.parse_args()
     dev = torch.device("cuda")
     model = bench.build(a.config, dev, torch.bfloat16)
@@ -100,7 +109,7 @@ def main():
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     steps, fasts, ref = {}, {}, None
     for name in [v for v in a.variants.split(",") if v]:
-        f = tk.llm.optimize(model, dtype=torch.bfloat16)
+        f = tk.llm.optimize(model, dtype=torch.bfloat16, quant=a.quant)
         runner = f._kiln_runner
         TWEAKS[name](runner)
         out = f.generate(ids, max_new_tokens=24, **kw)  # compiles the decode step
@@ -136,8 +145,8 @@ def main():
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end) / a.steps)
-    wb = bench.weight_bytes(model, None)
-    print(f"\nbf16 weights {wb / 1e9:.2f} GB; step alone: CUDA events over {a.steps} steps; generate: "
+    wb = bench.weight_bytes(model, a.quant)
+    print(f"\n{a.quant or 'bf16'} weights {wb / 1e9:.2f} GB; step alone: CUDA events over {a.steps} steps; generate: "
           f"prefill = T(1), decode = (T({a.new}) - T(1)) / {a.new - 1}, tok/s = {a.new} / T({a.new}); "
           f"{a.rounds} interleaved rounds, medians\n\n| variant | step alone ms | step weight TB/s | "
           "generate prefill ms | generate decode ms/token | generate tok/s |\n|---|---|---|---|---|---|")

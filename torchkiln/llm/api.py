@@ -20,7 +20,7 @@ from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
-from . import decode_attention
+from . import decode_attention, fused
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
 from .quant import cpu_int8_rows, gptq_codes
@@ -64,6 +64,8 @@ class LLMReport:
                                          # (quantization/gemv.py's float GEMV), with the times
     attention: str | None = None         # the decode step's one-query attention: "kernel" (CUDA,
                                          # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
+    folded: int | None = None            # int8 CUDA decode: layers whose norms, residual adds and silu * up
+                                         # run inside the GEMVs (llm/fused.py)
     wrapper: str | None = None           # the compiled decode step's wrapper: "C++" (CPU) or "Python"
 
     def to_dict(self) -> dict:
@@ -83,6 +85,8 @@ class LLMReport:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
             if self.cuda_gemv:
                 lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
+            if self.folded is not None:
+                lines.append(f"  int8 decode layers with norms, residuals and silu * up inside the GEMVs: {self.folded}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
         return "\n".join(lines)
@@ -202,6 +206,8 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
             report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
+        if target.type == "cuda" and quant == "int8" and fused.ON:
+            report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner
 

@@ -25,7 +25,7 @@ from ..kernels import cpu_gemv
 from ..modelutil import first_line, is_oom
 from ..quantization import gemv
 from ..timing import interleaved
-from . import decode_attention
+from . import decode_attention, fused
 from .spec import DecoderSpec, Parts
 
 _fresh_ids = itertools.count()
@@ -372,12 +372,16 @@ class Layer(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
         self.decode_kernel = False  # one-query steps through decode_attention (set for CUDA decoders)
+        self.folded = None  # fused.Folded: one-row int8 CUDA steps with the norms etc. in the GEMVs
 
     def attention(self, x, cos, sin, slots, mask):
+        return self.out(self.attend(self.qkv(x), cos, sin, slots, mask))
+
+    def attend(self, qkv, cos, sin, slots, mask):
+        """q/k/v projections (B, T, ...) -> attention output (B, T, heads * head_dim), the cache written."""
         s = self.spec
-        B, T, _ = x.shape
+        B, T, _ = qkv.shape
         H, KV, D = s.n_heads, s.n_kv_heads, s.head_dim
-        qkv = self.qkv(x)
         if s.qkv_layout == "headwise":  # [h, 3, d] rows (GPT-NeoX)
             q, k, v = qkv.view(B, T, H, 3 * D).split(D, dim=-1)
         else:
@@ -392,14 +396,14 @@ class Layer(nn.Module):
         self.v_cache.index_copy_(2, slots, v)
         if self.decode_kernel and decode_attention.usable(q, self.k_cache):
             o = decode_attention.attend(q, self.k_cache, self.v_cache, mask, self.scaling)
-        elif x.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
+        elif qkv.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
             o = grouped_attention(q, self.k_cache, self.v_cache, mask, self.scaling)
         else:
             # grouped KV heads go to SDPA as they are (enable_gqa, torch >= 2.5): expanding the whole
             # cache per step was two copy kernels per layer in the H200 decode profile
             o = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scaling,
                                                enable_gqa=KV != H)
-        return self.out(o.transpose(1, 2).reshape(B, T, H * D))
+        return o.transpose(1, 2).reshape(B, T, H * D)
 
     def mlp(self, x):
         h = self.up(x)
@@ -411,6 +415,8 @@ class Layer(nn.Module):
         return self.down(h)
 
     def forward(self, x, cos, sin, slots, mask):
+        if self.folded is not None and fused.one_row(x):
+            return self.folded(self, x, cos, sin, slots, mask)
         if self.spec.parallel_residual:
             return x + self.attention(self.norm1(x), cos, sin, slots, mask) + self.mlp(self.norm2(x))
         x = x + self.attention(self.norm1(x), cos, sin, slots, mask)
@@ -427,9 +433,11 @@ class FastDecoder(nn.Module):
         self.head = linear_of(parts.head.weight, parts.head.bias)
         self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
         self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
-        for name in ("key_ok", "slot_ids", "cos", "sin", "embed_mult"):
+        # head_g: the final norm's float32 scale, folded into an int8 head (fused.fold)
+        for name in ("key_ok", "slot_ids", "cos", "sin", "embed_mult", "head_g"):
             self.register_buffer(name, None, persistent=False)
         self.batch = self.seq = 0
+        self.head_eps = 0.0
 
     def setup_cache(self, batch: int, seq: int) -> None:
         """(Re)allocate the KV cache and the tables that depend on its length."""
@@ -480,4 +488,6 @@ class FastDecoder(nn.Module):
         if every:
             return self.head(self.norm(x)).float()
         x = x[:, -1:] if last is None else x.index_select(1, last)
+        if self.head_g is not None and fused.one_row(x):
+            return gemv.int8_fused(x, self.head, self.head_g, self.head_eps)[:, 0].float()
         return self.head(self.norm(x))[:, 0].float()

@@ -80,6 +80,16 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     return torch.ops.torchkiln.int8_gemv(x, weight, scales)
 
 
+def int8_fused(x: torch.Tensor, lin: torch.nn.Module, norm: torch.Tensor | None = None, eps: float = 0.0,
+               gated: bool = False, resid: torch.Tensor | None = None) -> torch.Tensor:
+    """One row of x through an Int8Linear ``lin`` with the decode step's neighbours folded into the
+    kernel: ``norm`` (float32, K) and ``eps``: RMS-normalise x and scale it by ``norm`` first;
+    ``gated``: ``lin`` holds [gate; up] rows and the result is silu(gate) * up (half the rows);
+    ``lin``'s bias and ``resid`` (a residual, N) added to the result. Each of those was a kernel of
+    its own in the decode step (see llm/fused.py)."""
+    return torch.ops.torchkiln.int8_gemv_fused(x, lin.weight, lin.scales, norm, eps, gated, lin.bias, resid)
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 group: int) -> torch.Tensor:
     return torch.ops.torchkiln.int4_gemv(x, packed, scale, zero, group)
@@ -118,34 +128,57 @@ def _register() -> None:
                                   (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))]
 
     @triton.jit
-    def _row(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr):
+    def _row(x_ptr, w_ptr, s_ptr, o_ptr, N, K, g_ptr, b_ptr, r_ptr, eps, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, INT8: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr):
         # One row of x: a 2-D accumulator, reduced once at the end. On the H200 this form ran
         # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row
         # (two runs of benchmarks/llm_gemv.py, before the bit trick; RESULTS.md). INT8: int8
-        # weights with per-row scales (s_ptr); else float weights (s_ptr unused).
+        # weights with per-row scales (s_ptr); else float weights (s_ptr unused). RMS, GATED,
+        # b_ptr, r_ptr: the decode step's neighbours folded in (see int8_gemv_fused).
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         keep = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
         x_ptrs = x_ptr + rk
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             inside = rk < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
             x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
+            if RMS:
+                sq += x * x
+                x = x * tl.load(g_ptr + k * BLOCK_K + rk, mask=inside, other=0.0)
             if INT8:  # int8 + 128 is in [1, 255]: the float of it less 128 is the weight
                 wf = ((w.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
             else:
                 wf = w.to(tl.float32)
             acc += wf * x[None, :]
+            if GATED:  # the up row N + n of the same weight, against the same x
+                u = tl.load(w_ptrs + N * K, mask=keep[:, None] & inside[None, :], other=0)
+                acc_up += (((u.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)
         if INT8:
             out = out * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.sum(acc_up, axis=1) * tl.load(s_ptr + N + rn, mask=keep, other=0.0).to(tl.float32)
+        if RMS:
+            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            out = out * r
+            if GATED:
+                up = up * r
+        if GATED:
+            out = out / (1.0 + tl.exp(-out)) * up
+        if b_ptr is not None:
+            out += tl.load(b_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        if r_ptr is not None:
+            out += tl.load(r_ptr + rn, mask=keep, other=0.0).to(tl.float32)
         tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
 
-    _int8_one = triton.autotune(configs=configs, key=["N", "K"])(_row)
+    _int8_one = triton.autotune(configs=configs, key=["N", "K", "RMS", "GATED"])(_row)
 
     @triton.autotune(configs=configs, key=["N", "K", "ROWS"])
     @triton.jit
@@ -233,34 +266,63 @@ def _register() -> None:
                                       (4, 512, 4, 3), (8, 256, 8, 3), (8, 512, 8, 3), (16, 256, 8, 3),
                                       (32, 128, 4, 3), (64, 64, 4, 3), (32, 256, 8, 3), (16, 16, 4, 4))]
 
-    @triton.autotune(configs=configs8w, key=["N", "K"], prune_configs_by={"early_config_prune": _fits_words})
+    @triton.autotune(configs=configs8w, key=["N", "K", "RMS", "GATED"],
+                     prune_configs_by={"early_config_prune": _fits_words})
     @triton.jit
-    def _int8_words(x_ptr, w_ptr, s_ptr, o_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    def _int8_words(x_ptr, w_ptr, s_ptr, o_ptr, N, K, g_ptr, b_ptr, r_ptr, eps, BLOCK_N: tl.constexpr,
+                    BLOCK_W: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, BLOCK_W)
         keep = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * (K // 4) + rw[None, :]
         x_ptrs = x_ptr + 4 * rw  # byte t of word j is column 4j + t
         acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        for _ in range(0, K // (4 * BLOCK_W)):
+        sq = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for i in range(0, K // (4 * BLOCK_W)):
             # each byte's sign bit flipped (0x80808080): the unsigned byte is the weight + 128
             w = tl.load(w_ptrs, mask=keep[:, None], other=0) ^ -0x7F7F7F80
             top = w >> 16
+            if GATED:  # the up row N + n of the same weight, against the same x
+                u = tl.load(w_ptrs + N * (K // 4), mask=keep[:, None], other=0) ^ -0x7F7F7F80
+                u_top = u >> 16
             for t in tl.static_range(4):
                 xv = tl.load(x_ptrs + t).to(tl.float32)
+                if RMS:
+                    sq += xv * xv
+                    xv = xv * tl.load(g_ptr + i * 4 * BLOCK_W + 4 * rw + t)
                 xsum += xv
+                if t % 2 == 1:
+                    xv = xv * (1.0 / 256)
                 if t < 2:
                     bits = (w & (0xFF << (8 * t))) | 0x4B000000
                 else:
                     bits = (top & (0xFF << (8 * (t - 2)))) | 0x4B000000
-                if t % 2 == 1:
-                    xv = xv * (1.0 / 256)
                 acc += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xv[None, :]
+                if GATED:
+                    if t < 2:
+                        bits = (u & (0xFF << (8 * t))) | 0x4B000000
+                    else:
+                        bits = (u_top & (0xFF << (8 * (t - 2)))) | 0x4B000000
+                    acc_up += (bits.to(tl.float32, bitcast=True) - 8388608.0) * xv[None, :]
             w_ptrs += BLOCK_W
             x_ptrs += 4 * BLOCK_W
-        scale = tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-        out = (tl.sum(acc, axis=1) - 128.0 * tl.sum(xsum, axis=0)) * scale
+        offset = 128.0 * tl.sum(xsum, axis=0)
+        out = (tl.sum(acc, axis=1) - offset) * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        if GATED:
+            up = (tl.sum(acc_up, axis=1) - offset) * tl.load(s_ptr + N + rn, mask=keep, other=0.0).to(tl.float32)
+        if RMS:
+            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            out = out * r
+            if GATED:
+                up = up * r
+        if GATED:
+            out = out / (1.0 + tl.exp(-out)) * up
+        if b_ptr is not None:
+            out += tl.load(b_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        if r_ptr is not None:
+            out += tl.load(r_ptr + rn, mask=keep, other=0.0).to(tl.float32)
         tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
 
     configs4w = [triton.Config({"BLOCK_N": n, "R": r}, num_warps=nw, num_stages=st)
@@ -362,7 +424,7 @@ def _register() -> None:
                                     (8, 512, 4, 3), (8, 512, 8, 3), (16, 256, 4, 3), (16, 512, 8, 3),
                                     (2, 2048, 8, 3), (4, 256, 4, 4), (8, 128, 4, 4))]
 
-    _float_one = triton.autotune(configs=fconfigs, key=["N", "K"])(_row)
+    _float_one = triton.autotune(configs=fconfigs, key=["N", "K", "RMS", "GATED"])(_row)
 
     def rows_of(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1]).contiguous()
@@ -375,9 +437,10 @@ def _register() -> None:
         m = x2.shape[0]
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         if m == 1 and (ONE_ROW == "words" or ONE_ROW == "auto" and n * k >= WORDS_MIN):
-            _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k)
+            _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k, None, None, None, 0.0,
+                              RMS=False, GATED=False)
         elif m == 1:
-            _int8_one[grid](x2, weight, scales, out, n, k, INT8=True)
+            _int8_one[grid](x2, weight, scales, out, n, k, None, None, None, 0.0, INT8=True, RMS=False, GATED=False)
         elif m > MAX_ROWS:
             mb = max(16, _pow2(m))
             _int8_mm[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))](
@@ -390,6 +453,27 @@ def _register() -> None:
     def _(x, weight, scales):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.custom_op("torchkiln::int8_gemv_fused", mutates_args=())
+    def int8_gemv_fused(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor | None,
+                        eps: float, gated: bool, bias: torch.Tensor | None,
+                        resid: torch.Tensor | None) -> torch.Tensor:
+        x2 = rows_of(x)
+        rows, k = weight.shape
+        n = rows // 2 if gated else rows
+        out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        resid = None if resid is None else rows_of(resid)
+        flags = dict(RMS=norm is not None, GATED=gated)
+        if ONE_ROW == "words" or ONE_ROW == "auto" and rows * k >= WORDS_MIN:
+            _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k, norm, bias, resid, eps, **flags)
+        else:
+            _int8_one[grid](x2, weight, scales, out, n, k, norm, bias, resid, eps, INT8=True, **flags)
+        return out.view(*x.shape[:-1], n)
+
+    @int8_gemv_fused.register_fake
+    def _(x, weight, scales, norm, eps, gated, bias, resid):
+        return x.new_empty(*x.shape[:-1], weight.shape[0] // (2 if gated else 1))
+
     @torch.library.custom_op("torchkiln::float_gemv", mutates_args=())
     def float_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x2 = rows_of(x)
@@ -398,7 +482,8 @@ def _register() -> None:
         n, k = weight.shape
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
         _float_one[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, weight.contiguous(), x2, out, n, k,
-                                                                     INT8=False)
+                                                                     None, None, None, 0.0, INT8=False,
+                                                                     RMS=False, GATED=False)
         return out.view(*x.shape[:-1], n)
 
     @float_gemv.register_fake

@@ -1,0 +1,140 @@
+"""llm/fused.py: which norms and activations qualify (CPU), the folded int8 kernels against a
+float64 reference written without them, and the folded decode against the unfolded one (CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import torchkiln as tk  # noqa: E402
+from torchkiln.llm import fused  # noqa: E402
+
+from .families import build  # noqa: E402
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_rms_form_reads_llama_and_gemma_norms_and_refuses_others():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    llama, gemma = LlamaRMSNorm(64, eps=1e-5), GemmaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.normal_()
+        gemma.weight.normal_()
+    x = torch.randn(5, 64)
+    for norm, eps in ((llama, 1e-5), (gemma, 1e-6)):
+        g, got_eps = fused.rms_form(norm, 64)
+        assert got_eps == eps and g.dtype == torch.float32
+        torch.testing.assert_close(_rms(x, eps) * g, norm(x).float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.rms_form(gemma, 64)[0], 1 + gemma.weight.detach())
+    assert fused.rms_form(nn.LayerNorm(64), 64) is None  # has a bias and subtracts the mean
+    assert fused.rms_form(nn.LayerNorm(64, bias=False), 64) is None  # subtracts the mean
+    assert fused.rms_form(llama, 128) is None  # another width
+
+    class Scaled(nn.Module):  # an RMS norm that also scales by 2: not what its weight says
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.randn(64)), 1e-6
+
+        def forward(self, x):
+            return 2 * _rms(x, self.eps) * self.weight
+
+    assert fused.rms_form(Scaled(), 64) is None
+
+
+def test_is_silu_by_value():
+    assert fused.is_silu(nn.SiLU())
+    from transformers.activations import ACT2FN
+
+    assert fused.is_silu(ACT2FN["silu"])
+    assert not fused.is_silu(nn.GELU()) and not fused.is_silu(ACT2FN["gelu_pytorch_tanh"])
+
+
+def test_nothing_folds_on_the_cpu():
+    model = build("llama", intermediate_size=128)
+    fast = tk.llm.optimize(model, dtype=torch.float32, quant="int8", compile=False)
+    assert fast.kiln_report.folded is None
+    assert all(layer.folded is None for layer in fast._kiln_runner.decoder.layers)
+
+
+cuda = pytest.mark.cuda
+
+
+def _reference(x, q, g, eps, gated, bias, resid):
+    w = q.weight.double() * q.scales.double()[:, None]
+    h = x.double()
+    if g is not None:
+        h = _rms(h, eps) * g.double()
+    y = h @ w.t()
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if bias is not None:
+        y = y + bias.double()
+    return y if resid is None else y + resid.double()
+
+
+# Each (N, K, flags) is its own autotune key (a dozen compiles): few shapes. (70, 192): masked row
+# tails, 48 words a row; (1024, 4096): tiles as in Llama's layers.
+FLAGS = [(True, False, False, False), (True, True, False, False), (False, False, False, True),
+         (True, False, True, False), (False, False, True, True)]
+CASES = ([("words", torch.bfloat16, 70, 192, *f) for f in FLAGS] + [("bytes", torch.bfloat16, 70, 192, *f) for f in FLAGS]
+         + [(m, torch.bfloat16, 1024, 4096, True, True, False, False) for m in ("words", "bytes")]
+         + [("bytes", torch.float16, 70, 192, True, False, True, True)])
+
+
+@cuda
+@pytest.mark.parametrize("mode,dtype,n,k,norm,gated,bias,resid", CASES)
+def test_folded_kernels_match_float64(mode, dtype, n, k, norm, gated, bias, resid, monkeypatch):
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    monkeypatch.setattr(gemv, "ONE_ROW", mode)
+    torch.manual_seed(n + k)
+    lin = nn.Linear(k, 2 * n if gated else n, bias=bias, device="cuda", dtype=dtype)
+    q = Int8Linear(lin)
+    x = torch.randn(1, 1, k, device="cuda", dtype=dtype) * 3
+    g = torch.rand(k, device="cuda") + 0.5 if norm else None
+    r = torch.randn(1, 1, n, device="cuda", dtype=dtype) if resid else None
+    got = gemv.int8_fused(x, q, g, 1e-5, gated, r)
+    ref = _reference(x, q, g, 1e-5, gated, lin.bias, r)
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < 8e-3, err  # the output's rounding: ~4e-3 in bf16
+    unfused = q(x if g is None else (_rms(x.float(), 1e-5) * g).to(dtype))  # the same through the plain op
+    if not gated:
+        unfused = unfused + (r if r is not None else 0)
+        assert float((unfused.double() - ref).norm() / ref.norm()) < 8e-3
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
+    """The int8 decode with norms, residuals and silu * up inside the GEMVs (llama: all of them;
+    qwen2: q/k/v bias in the epilogue; gemma: 1 + w norms, GELU kept outside) against the same
+    model with nothing folded: the same greedy tokens, logits within bf16 rounding."""
+    model = build(family, seed=3, intermediate_size=128).cuda()
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    folded = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    assert folded.kiln_report.folded == 2 and "inside the GEMVs: 2" in str(folded.kiln_report)
+    layers = folded._kiln_runner.decoder.layers
+    assert all(la.folded is not None for la in layers)
+    assert all(la.folded.gated == (family != "gemma") for la in layers)
+    monkeypatch.setattr(fused, "ON", False)
+    plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    assert plain.kiln_report.folded is None
+    a, b = folded.generate(ids, **kw), plain.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits, strict=True):
+        assert float((la - lb).norm() / lb.norm()) < 2e-2

@@ -1,0 +1,131 @@
+"""The int8 CUDA decode step with each projection's neighbours folded into its GEMV.
+
+In the unfused step every layer also runs an add + RMSNorm kernel before q/k/v, another before
+gate/up, and silu(gate) * up before down: one-CTA reductions and tiny pointwise kernels, each a
+launch and a DRAM round trip between two GEMVs. The one-row int8 kernels (quantization/gemv.py,
+``int8_fused``) take them in: the norm as a prologue (the kernel already streams all of x; the
+sum of squares rides along, the scalar rsqrt is applied to the dot products at the end), the
+residual add and silu * up as epilogues (gate row n and up row n in the same program). So a layer
+is q/k/v, the attention kernels, o (+ residual), gate/up (+ norm, silu * up), down (+ residual).
+Measured on the H200: RESULTS.md, "int8 decode with the neighbours folded in".
+
+Which norms and activations qualify is read from what the modules compute, not their class
+names: a norm qualifies when it equals x * rsqrt(mean(x^2) + eps) * g on a probe for a g made
+from its weight (Llama's w, Gemma's 1 + w), an activation when it equals x * sigmoid(x). Numerics:
+the norm, residual and activation stay in float32 inside the kernel, where the unfused step rounds
+each to the model's dtype in between, so outputs differ from the unfused int8 step by rounding
+(tested: tests/llm/test_cuda_llm.py). Only the quantized path folds: its weights are already an
+approximation, while the float path promises transformers' own numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quantization import gemv
+from ..quantization.weight_only import Int8Linear
+
+ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
+
+
+def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
+    """(g in float32, eps) if ``norm`` computes x * rsqrt(mean(x^2) + eps) * g over the last dim,
+    else None."""
+    w = getattr(norm, "weight", None)
+    eps = next((v for v in (getattr(norm, a, None) for a in ("variance_epsilon", "eps")) if isinstance(v, float)),
+               None)
+    if not isinstance(w, torch.Tensor) or w.shape != (hidden,) or eps is None \
+            or getattr(norm, "bias", None) is not None:
+        return None
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)).to(w.device) * 3 + 1
+    with torch.no_grad():
+        try:
+            got = norm(x).float()
+        except Exception:
+            return None
+        unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        for g in (w.float(), 1 + w.float()):
+            if torch.allclose(got, unit * g, rtol=1e-4, atol=1e-5):
+                return g.detach().clone().contiguous(), eps
+    return None
+
+
+def is_silu(act: nn.Module) -> bool:
+    x = torch.linspace(-8, 8, 257)
+    try:
+        with torch.no_grad():
+            return torch.allclose(act(x).float(), F.silu(x), rtol=1e-5, atol=1e-6)
+    except Exception:
+        return False
+
+
+class Folded(nn.Module):
+    """One layer's folded norms (buffers, so they follow the decoder's device)."""
+
+    def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool):
+        super().__init__()
+        self.register_buffer("g1", g1, persistent=False)
+        self.register_buffer("g2", g2, persistent=False)
+        self.eps1, self.eps2, self.gated = eps1, eps2, gated
+
+    def forward(self, layer: nn.Module, x, cos, sin, slots, mask):
+        qkv = gemv.int8_fused(x, layer.qkv, self.g1, self.eps1)
+        x = gemv.int8_fused(layer.attend(qkv, cos, sin, slots, mask), layer.out, resid=x)
+        if self.gated:
+            h = gemv.int8_fused(x, layer.up, self.g2, self.eps2, gated=True)
+        elif layer.spec.mlp == "gated":
+            gate, up = gemv.int8_fused(x, layer.up, self.g2, self.eps2).chunk(2, dim=-1)
+            h = layer.act(gate) * up
+        else:
+            h = layer.act(gemv.int8_fused(x, layer.up, self.g2, self.eps2))
+        return gemv.int8_fused(h, layer.down, resid=x)
+
+
+def one_row(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[:-1].numel() == 1 and x.shape[-1] % 64 == 0
+
+
+def fold(decoder: nn.Module) -> int:
+    """Fold the neighbours of every layer whose projections are all CUDA int8 kernels and whose
+    norms (and activation, to fold silu * up) qualify; the output head too, where it is one.
+    Returns the number of layers folded."""
+    spec, done = decoder.spec, 0
+    for layer in decoder.layers:
+        projs = [layer.qkv, layer.out, layer.up, layer.down]
+        if spec.parallel_residual or not all(isinstance(p, Int8Linear) and p.kernel and p.in_features % 64 == 0
+                                             for p in projs):
+            continue
+        n1, n2 = rms_form(layer.norm1, spec.hidden), rms_form(layer.norm2, spec.hidden)
+        if n1 is None or n2 is None:
+            continue
+        gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act)
+        layer.folded = Folded(*n1, *n2, gated)
+        done += 1
+    head = decoder.head
+    final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel else None
+    if final is not None:
+        decoder.head_g, decoder.head_eps = final
+    _warm(decoder)
+    return done
+
+
+def _warm(decoder: nn.Module) -> None:
+    """Tune each folded kernel (its own autotune key) once, outside any CUDA-graph capture, as
+    gemv.warm does for the plain ones."""
+    dtype = decoder.norm.weight.dtype
+    with torch.no_grad():
+        for layer in decoder.layers:
+            f = layer.folded
+            if f is None:
+                continue
+            x = torch.zeros(1, layer.qkv.in_features, device=f.g1.device, dtype=dtype)
+            gemv.int8_fused(x, layer.qkv, f.g1, f.eps1)
+            gemv.int8_fused(torch.zeros(1, layer.out.in_features, device=x.device, dtype=dtype), layer.out, resid=x)
+            h = gemv.int8_fused(x, layer.up, f.g2, f.eps2, gated=f.gated)
+            gemv.int8_fused(h if f.gated else torch.zeros(1, layer.down.in_features, device=x.device, dtype=dtype),
+                            layer.down, resid=x)
+        if decoder.head_g is not None:
+            x = torch.zeros(1, decoder.head.in_features, device=decoder.head_g.device, dtype=dtype)
+            gemv.int8_fused(x, decoder.head, decoder.head_g, decoder.head_eps)
