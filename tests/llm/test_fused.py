@@ -138,3 +138,50 @@ def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
     assert torch.equal(a.sequences, b.sequences)
     for la, lb in zip(a.logits, b.logits, strict=True):
         assert float((la - lb).norm() / lb.norm()) < 2e-2
+
+
+@cuda
+def test_dependent_launches_change_no_number(monkeypatch):
+    """A chain of folded GEMVs (each reading the one before) replayed in a CUDA graph, launched with
+    programmatic dependent launch (gemv.PDL; a no-op before Hopper) and without: bit-identical outputs,
+    so no kernel read its input before the one writing it had finished; and close to float64."""
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    torch.manual_seed(0)
+    o, up, down = (Int8Linear(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+                   for n, k in ((512, 512), (2 * 1024, 512), (512, 1024)))
+    g = torch.rand(512, device="cuda") + 0.5
+    x0 = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x):
+        for _ in range(6):
+            x = gemv.int8_fused(x, o, resid=x)
+            x = gemv.int8_fused(gemv.int8_fused(x, up, g, 1e-5, gated=True), down, resid=x)
+            x = x / x.float().norm().to(x.dtype) * 20  # keep the scale from growing
+        return x
+
+    outs = {}
+    for mode in ("prefetch", "off"):
+        monkeypatch.setattr(gemv, "PDL", mode)
+        chain(x0)  # tunes, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x0)
+        graph.replay()
+        outs[mode] = [out.clone()]
+        for _ in range(3):
+            graph.replay()
+            outs[mode].append(out.clone())
+    for a in outs["prefetch"] + outs["off"][1:]:
+        assert torch.equal(a, outs["off"][0])
+    monkeypatch.setattr(gemv, "PDL", "off")
+    ref = x0.double()
+    for _ in range(6):
+        ref = ref + ref @ (o.weight.double() * o.scales.double()[:, None]).t()
+        w_up = up.weight.double() * up.scales.double()[:, None]
+        h = _rms(ref, 1e-5) * g.double() @ w_up.t()
+        h = F.silu(h[:, :1024]) * h[:, 1024:]
+        ref = ref + h @ (down.weight.double() * down.scales.double()[:, None]).t()
+        ref = ref / ref.norm() * 20
+    assert float((outs["off"][0].double() - ref).norm() / ref.norm()) < 5e-2
