@@ -20,7 +20,6 @@ import torch
 import torchkiln as tk
 from torchkiln.llm import bench
 from torchkiln.llm.model import CublasLinear, _register_linear, grouped_attention, linear_of, rotate
-from torchkiln.quantization import gemv
 
 
 def math_attention(self, x, cos, sin, slots, mask):
@@ -60,26 +59,14 @@ def cublas_o_down(runner):
 
 
 def unfolded(runner):
-    gemv.PDL = DEFAULT_PDL
     for layer in runner.decoder.layers:
         layer.folded = None
     runner.decoder.head_g = None
 
 
-DEFAULT_PDL = gemv.PDL
-
-
-def launches(mode):
-    def tweak(runner):  # read at launch, so set before the variant's graphs are captured
-        gemv.PDL = mode
-    return tweak
-
-
 TWEAKS = {  # each takes the Runner
-    "served": launches(gemv.PDL),
+    "served": lambda r: None,
     "unfolded": unfolded,  # --quant int8: norms, residual adds and silu * up outside the GEMVs
-    "pdl-off": launches("off"),  # the Triton kernels without programmatic dependent launch (gemv.PDL)
-    "pdl-wait": launches("wait"),
     "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
     "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ..quantization.gemv import available, pdl
+from ..quantization.gemv import available
 
 BLOCK_S = 32  # cache slots per load: a (32 x head_dim) tile of K and of V per step
 MAX_SPLITS = 16  # chunks per (row, head); a power of two (the merge's arange)
@@ -68,10 +68,7 @@ def _register() -> None:
     @triton.jit
     def _partial(q_ptr, k_ptr, v_ptr, m_ptr, ml_ptr, acc_ptr, o_ptr, scale, H, G, S, D, CHUNK,
                  sq_b, sq_h, sk_b, sk_h, sk_s, sm_b, SPLITS: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
-        if GDC > 0:  # programmatic dependent launch (gemv.PDL): the merge or the o projection
-            tl.extra.cuda.gdc_launch_dependents()  # may start as this drains; this waits for q
-            tl.extra.cuda.gdc_wait()
+                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -111,10 +108,7 @@ def _register() -> None:
             tl.store(acc_ptr + out * BLOCK_D + rd, acc)
 
     @triton.jit
-    def _merge(ml_ptr, acc_ptr, o_ptr, D, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
-        if GDC > 0:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+    def _merge(ml_ptr, acc_ptr, o_ptr, D, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
         bh = tl.program_id(0)
         rp = tl.arange(0, SPLITS)
         rd = tl.arange(0, BLOCK_D)
@@ -143,9 +137,9 @@ def _register() -> None:
         _partial[(B * H, splits)](q, k, v, m, ml, acc, out, scale, H, H // KV, S, D, chunk,
                                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                                    m.stride(0) if m.shape[0] > 1 else 0, splits, BLOCK_S, block_d,
-                                   num_warps=NUM_WARPS, **pdl(q))
+                                   num_warps=NUM_WARPS)
         if splits > 1:
-            _merge[(B * H,)](ml, acc, out, D, splits, block_d, num_warps=1 if block_d <= 128 else 2, **pdl(q))
+            _merge[(B * H,)](ml, acc, out, D, splits, block_d, num_warps=1 if block_d <= 128 else 2)
         return out
 
     @decode_attention.register_fake

@@ -40,13 +40,6 @@ WIDE_ROWS = 256
 ONE_ROW = "auto"
 WORDS_MIN = 64 << 20
 KERNELS: dict = {}  # name -> the Triton kernel, once registered (benchmarks read their tuned configs)
-# Programmatic dependent launch (Hopper and later, Triton >= 3.3): a one-row kernel is launched while
-# the kernel before it drains, and waits (griddepcontrol.wait) only before it reads x; "prefetch"
-# also loads its first weight tile before waiting (weights are never written during a step, so
-# that is safe; x and every store come after the wait). "wait": launch early, load nothing
-# early. "off": plain launches. Read at launch time.
-PDL = "prefetch"
-_GDC = {"off": 0, "wait": 1, "prefetch": 2}
 
 
 @functools.cache
@@ -111,23 +104,6 @@ def warm(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 m(torch.zeros(1, k, device=next(m.buffers()).device, dtype=dtype))
 
 
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    import importlib
-
-    import triton
-
-    extra = importlib.import_module("triton.language.extra.cuda")
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return hasattr(extra, "gdc_wait") and (major, minor) >= (3, 3) and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl(x: torch.Tensor) -> dict:
-    """The launch arguments that turn programmatic dependent launch on for a kernel taking ``GDC``."""
-    gdc = _GDC[PDL] if x.is_cuda and _pdl_capable(x.device.index or 0) else 0
-    return {"GDC": gdc, "launch_pdl": True} if gdc else {"GDC": 0}
-
-
 def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
@@ -153,8 +129,7 @@ def _register() -> None:
 
     @triton.jit
     def _row(x_ptr, w_ptr, s_ptr, o_ptr, N, K, g_ptr, b_ptr, r_ptr, eps, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, INT8: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr,
-             GDC: tl.constexpr):
+             BLOCK_K: tl.constexpr, INT8: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr):
         # One row of x: a 2-D accumulator, reduced once at the end. On the H200 this form ran
         # Llama-3-8B's shapes 1.25-1.5x faster than the many-row kernel below given one row
         # (two runs of benchmarks/llm_gemv.py, before the bit trick; RESULTS.md). INT8: int8
@@ -168,18 +143,9 @@ def _register() -> None:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if GDC > 0:  # see PDL
-            tl.extra.cuda.gdc_launch_dependents()
-        if GDC == 2:
-            first = tl.load(w_ptrs, mask=keep[:, None] & (rk < K)[None, :], other=0)
-        if GDC > 0:
-            tl.extra.cuda.gdc_wait()
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             inside = rk < K - k * BLOCK_K
-            if GDC == 2:
-                w = tl.where(k == 0, first, tl.load(w_ptrs, mask=keep[:, None] & inside[None, :] & (k > 0), other=0))
-            else:
-                w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
+            w = tl.load(w_ptrs, mask=keep[:, None] & inside[None, :], other=0)
             x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
             if RMS:
                 sq += x * x
@@ -304,7 +270,7 @@ def _register() -> None:
                      prune_configs_by={"early_config_prune": _fits_words})
     @triton.jit
     def _int8_words(x_ptr, w_ptr, s_ptr, o_ptr, N, K, g_ptr, b_ptr, r_ptr, eps, BLOCK_N: tl.constexpr,
-                    BLOCK_W: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr):
+                    BLOCK_W: tl.constexpr, RMS: tl.constexpr, GATED: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rw = tl.arange(0, BLOCK_W)
         keep = rn < N
@@ -314,28 +280,12 @@ def _register() -> None:
         acc_up = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
         xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         sq = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        if GDC > 0:  # see PDL
-            tl.extra.cuda.gdc_launch_dependents()
-        if GDC == 2:
-            first = tl.load(w_ptrs, mask=keep[:, None], other=0)
-            if GATED:
-                first_u = tl.load(w_ptrs + N * (K // 4), mask=keep[:, None], other=0)
-        if GDC > 0:
-            tl.extra.cuda.gdc_wait()
         for i in range(0, K // (4 * BLOCK_W)):
             # each byte's sign bit flipped (0x80808080): the unsigned byte is the weight + 128
-            if GDC == 2:
-                w = tl.where(i == 0, first, tl.load(w_ptrs, mask=keep[:, None] & (i > 0), other=0))
-            else:
-                w = tl.load(w_ptrs, mask=keep[:, None], other=0)
-            w = w ^ -0x7F7F7F80
+            w = tl.load(w_ptrs, mask=keep[:, None], other=0) ^ -0x7F7F7F80
             top = w >> 16
             if GATED:  # the up row N + n of the same weight, against the same x
-                if GDC == 2:
-                    u = tl.where(i == 0, first_u, tl.load(w_ptrs + N * (K // 4), mask=keep[:, None] & (i > 0), other=0))
-                else:
-                    u = tl.load(w_ptrs + N * (K // 4), mask=keep[:, None], other=0)
-                u = u ^ -0x7F7F7F80
+                u = tl.load(w_ptrs + N * (K // 4), mask=keep[:, None], other=0) ^ -0x7F7F7F80
                 u_top = u >> 16
             for t in tl.static_range(4):
                 xv = tl.load(x_ptrs + t).to(tl.float32)
@@ -488,10 +438,9 @@ def _register() -> None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         if m == 1 and (ONE_ROW == "words" or ONE_ROW == "auto" and n * k >= WORDS_MIN):
             _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k, None, None, None, 0.0,
-                              RMS=False, GATED=False, **pdl(x))
+                              RMS=False, GATED=False)
         elif m == 1:
-            _int8_one[grid](x2, weight, scales, out, n, k, None, None, None, 0.0, INT8=True, RMS=False, GATED=False,
-                            **pdl(x))
+            _int8_one[grid](x2, weight, scales, out, n, k, None, None, None, 0.0, INT8=True, RMS=False, GATED=False)
         elif m > MAX_ROWS:
             mb = max(16, _pow2(m))
             _int8_mm[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))](
@@ -514,7 +463,7 @@ def _register() -> None:
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         resid = None if resid is None else rows_of(resid)
-        flags = dict(RMS=norm is not None, GATED=gated, **pdl(x))
+        flags = dict(RMS=norm is not None, GATED=gated)
         if ONE_ROW == "words" or ONE_ROW == "auto" and rows * k >= WORDS_MIN:
             _int8_words[grid](x2, weight.view(torch.int32), scales, out, n, k, norm, bias, resid, eps, **flags)
         else:
@@ -534,7 +483,7 @@ def _register() -> None:
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
         _float_one[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x2, weight.contiguous(), x2, out, n, k,
                                                                      None, None, None, 0.0, INT8=False,
-                                                                     RMS=False, GATED=False, **pdl(x))
+                                                                     RMS=False, GATED=False)
         return out.view(*x.shape[:-1], n)
 
     @float_gemv.register_fake
