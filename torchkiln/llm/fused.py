@@ -7,14 +7,14 @@ launch and a DRAM round trip between two GEMVs. The one-row int8 kernels (quanti
 sum of squares rides along, the scalar rsqrt is applied to the dot products at the end), the
 residual add and silu * up as epilogues (gate row n and up row n in the same program). So a layer
 is q/k/v, the attention kernels, o (+ residual), gate/up (+ norm, silu * up), down (+ residual).
-Measured on the H200: RESULTS.md, "int8 decode with the neighbours folded in".
+Measured on the H200: RESULTS.md, "The neighbours folded in" (twenty-first session).
 
 Which norms and activations qualify is read from what the modules compute, not their class
 names: a norm qualifies when it equals x * rsqrt(mean(x^2) + eps) * g on a probe for a g made
 from its weight (Llama's w, Gemma's 1 + w), an activation when it equals x * sigmoid(x). Numerics:
 the norm, residual and activation stay in float32 inside the kernel, where the unfused step rounds
 each to the model's dtype in between, so outputs differ from the unfused int8 step by rounding
-(tested: tests/llm/test_cuda_llm.py). Only the quantized path folds: its weights are already an
+(tested: tests/llm/test_fused.py). Only the quantized path folds: its weights are already an
 approximation, while the float path promises transformers' own numerics.
 """
 
@@ -84,7 +84,7 @@ class Folded(nn.Module):
 
 
 def one_row(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.shape[:-1].numel() == 1 and x.shape[-1] % 64 == 0
+    return x.shape[:-1].numel() == 1 and gemv.usable(x, x.shape[-1])
 
 
 def fold(decoder: nn.Module) -> int:

@@ -117,8 +117,8 @@ def _register() -> None:
     # Integer-to-float conversion units run at a fraction of the FMA rate. Instead, an integer v in
     # [0, 2^23) ORed into the bits of 2^23 is the float 2^23 + v: one integer op and one
     # subtraction. On the H200 the int8 GEMVs of Llama-3-8B's shapes ran 1.06-1.22x faster so
-    # (benchmarks/RESULTS.md). Written out in each kernel: Triton does not resolve a jit helper
-    # defined in this function's closure.
+    # (benchmarks/RESULTS.md). Written out in each kernel: a jit helper left in this function's
+    # closure is not resolved by Triton (a module global is: _folded_store below).
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                for n, k, w, s in ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4),
                                   (32, 256, 4, 3), (32, 256, 8, 4), (32, 512, 8, 3), (64, 128, 4, 4),
@@ -126,6 +126,24 @@ def _register() -> None:
                                   # 4 rows x 1024: Llama-3-8B's down projection 23.4 -> 19.6 us on the H200
                                   # (benchmarks/diag_gemv_variants.py)
                                   (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))]
+
+    # The one-row kernels' shared end (int8_gemv_fused): the RMS scale of x, silu(gate) * up, bias and
+    # residual, then the store. Declared global so the kernels find it among the module's names.
+    global _folded_store
+
+    @triton.jit
+    def _folded_store(out, up, sq, K, eps, rn, keep, b_ptr, r_ptr, o_ptr, RMS: tl.constexpr, GATED: tl.constexpr):
+        if RMS:
+            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            out = out * r
+            up = up * r
+        if GATED:
+            out = out / (1.0 + tl.exp(-out)) * up
+        if b_ptr is not None:
+            out += tl.load(b_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        if r_ptr is not None:
+            out += tl.load(r_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _row(x_ptr, w_ptr, s_ptr, o_ptr, N, K, g_ptr, b_ptr, r_ptr, eps, BLOCK_N: tl.constexpr,
@@ -163,20 +181,10 @@ def _register() -> None:
         out = tl.sum(acc, axis=1)
         if INT8:
             out = out * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        up = out  # read only when GATED
         if GATED:
             up = tl.sum(acc_up, axis=1) * tl.load(s_ptr + N + rn, mask=keep, other=0.0).to(tl.float32)
-        if RMS:
-            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-            out = out * r
-            if GATED:
-                up = up * r
-        if GATED:
-            out = out / (1.0 + tl.exp(-out)) * up
-        if b_ptr is not None:
-            out += tl.load(b_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-        if r_ptr is not None:
-            out += tl.load(r_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+        _folded_store(out, up, sq, K, eps, rn, keep, b_ptr, r_ptr, o_ptr, RMS, GATED)
 
     _int8_one = triton.autotune(configs=configs, key=["N", "K", "RMS", "GATED"])(_row)
 
@@ -310,20 +318,10 @@ def _register() -> None:
             x_ptrs += 4 * BLOCK_W
         offset = 128.0 * tl.sum(xsum, axis=0)
         out = (tl.sum(acc, axis=1) - offset) * tl.load(s_ptr + rn, mask=keep, other=0.0).to(tl.float32)
+        up = out  # read only when GATED
         if GATED:
             up = (tl.sum(acc_up, axis=1) - offset) * tl.load(s_ptr + N + rn, mask=keep, other=0.0).to(tl.float32)
-        if RMS:
-            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-            out = out * r
-            if GATED:
-                up = up * r
-        if GATED:
-            out = out / (1.0 + tl.exp(-out)) * up
-        if b_ptr is not None:
-            out += tl.load(b_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-        if r_ptr is not None:
-            out += tl.load(r_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-        tl.store(o_ptr + rn, out.to(o_ptr.dtype.element_ty), mask=keep)
+        _folded_store(out, up, sq, K, eps, rn, keep, b_ptr, r_ptr, o_ptr, RMS, GATED)
 
     configs4w = [triton.Config({"BLOCK_N": n, "R": r}, num_warps=nw, num_stages=st)
                  for n, r, nw, st in ((8, 4, 4, 3), (16, 2, 4, 3), (16, 4, 4, 3), (16, 4, 8, 3), (32, 2, 4, 3),
