@@ -64,9 +64,16 @@ def unfolded(runner):
     runner.decoder.head_g = None
 
 
+def unroped(runner):
+    for layer in runner.decoder.layers:
+        if layer.folded is not None:
+            layer.folded.rope = False
+
+
 TWEAKS = {  # each takes the Runner
     "served": lambda r: None,
     "unfolded": unfolded,  # --quant int8: norms, residual adds and silu * up outside the GEMVs
+    "unroped": unroped,  # --quant int8 folded, but RoPE and the cache writes outside the q/k/v GEMV
     "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
     "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))

@@ -3,6 +3,8 @@ float64 reference written without them, and the folded decode against the unfold
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,6 +67,21 @@ def test_nothing_folds_on_the_cpu():
     fast = tk.llm.optimize(model, dtype=torch.float32, quant="int8", compile=False)
     assert fast.kiln_report.folded is None
     assert all(layer.folded is None for layer in fast._kiln_runner.decoder.layers)
+
+
+def test_rope_folds_only_where_the_rotation_is_whole_and_follows_the_projection():
+    from torchkiln.llm.spec import read
+
+    def fits(name, **kw):
+        model = build(name, **kw)
+        spec, parts = read(model)
+        return fused.rope_fits(spec, types.SimpleNamespace(q_norm=parts.blocks[0].q_norm))
+
+    assert fits("llama") and fits("qwen2") and fits("gemma") and fits("mistral")
+    assert not fits("qwen3")  # q/k norms between the projection and the rotation
+    assert fits("phi3") and not fits("phi3", partial_rotary_factor=0.5)  # half of each head rotates
+    assert not fits("gpt_neox")  # headwise rows
+    assert not fits("gpt2")  # learned positions
 
 
 cuda = pytest.mark.cuda
@@ -130,7 +147,7 @@ def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
     assert folded.kiln_report.folded == 2 and "inside the GEMVs: 2" in str(folded.kiln_report)
     layers = folded._kiln_runner.decoder.layers
     assert all(la.folded is not None for la in layers)
-    assert all(la.folded.gated == (family != "gemma") for la in layers)
+    assert all(la.folded.gated == (family != "gemma") and la.folded.rope for la in layers)
     monkeypatch.setattr(fused, "ON", False)
     plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
     assert plain.kiln_report.folded is None
@@ -138,3 +155,43 @@ def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
     assert torch.equal(a.sequences, b.sequences)
     for la, lb in zip(a.logits, b.logits, strict=True):
         assert float((la - lb).norm() / lb.norm()) < 2e-2
+
+
+def _rotate(t, cos, sin):
+    a, b = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+@cuda
+@pytest.mark.parametrize("heads,kv,d,k,norm,bias", [(4, 2, 16, 192, True, False), (8, 2, 64, 256, False, True),
+                                                     (32, 8, 128, 4096, True, False)])
+def test_qkv_rope_kernel_matches_float64(heads, kv, d, k, norm, bias):
+    """q/k/v GEMV + RoPE + cache write against float64: q rotated by the position's row of the
+    tables, k rotated and v written at the slot, every other cache slot untouched."""
+    from torchkiln.llm.qkv_rope import qkv_rope, register
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    register()
+    torch.manual_seed(d + k)
+    dt = torch.bfloat16
+    lin = nn.Linear(k, (heads + 2 * kv) * d, bias=bias, device="cuda", dtype=dt)
+    q8 = Int8Linear(lin)
+    x = torch.randn(1, 1, k, device="cuda", dtype=dt) * 3
+    g = torch.rand(k, device="cuda") + 0.5 if norm else None
+    ang = torch.rand(50, d // 2, device="cuda") * 6  # a table of 50 positions
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dt), torch.cat((ang, ang), -1).sin().to(dt)
+    kc, vc = torch.randn(2, 1, kv, 40, d, device="cuda", dtype=dt)
+    k0, v0 = kc.clone(), vc.clone()
+    slot = torch.tensor([17], device="cuda")
+    q = qkv_rope(x, q8, g, 1e-5, cos, sin, torch.tensor([[23]], device="cuda"), slot, kc, vc, heads)
+    y = _reference(x, q8, g, 1e-5, False, lin.bias, None).view(heads + 2 * kv, d)
+    c, s = cos[23].double(), sin[23].double()
+    ref_q, ref_k, ref_v = _rotate(y[:heads], c, s), _rotate(y[heads:heads + kv], c, s), y[heads + kv:]
+    assert q.shape == (1, heads, 1, d) and q.dtype == dt
+
+    def err(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    assert err(q[0, :, 0], ref_q) < 8e-3 and err(kc[0, :, 17], ref_k) < 8e-3 and err(vc[0, :, 17], ref_v) < 8e-3
+    others = torch.arange(40, device="cuda") != 17
+    assert torch.equal(kc[:, :, others], k0[:, :, others]) and torch.equal(vc[:, :, others], v0[:, :, others])

@@ -26,8 +26,10 @@ from torch import nn
 
 from ..quantization import gemv
 from ..quantization.weight_only import Int8Linear
+from .qkv_rope import qkv_rope, register
 
 ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
+ROPE = True  # also fold RoPE and the cache writes into the q/k/v GEMV (qkv_rope.py); False for side-by-sides
 
 
 def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
@@ -64,15 +66,20 @@ def is_silu(act: nn.Module) -> bool:
 class Folded(nn.Module):
     """One layer's folded norms (buffers, so they follow the decoder's device)."""
 
-    def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool):
+    def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool, rope: bool):
         super().__init__()
         self.register_buffer("g1", g1, persistent=False)
         self.register_buffer("g2", g2, persistent=False)
-        self.eps1, self.eps2, self.gated = eps1, eps2, gated
+        self.eps1, self.eps2, self.gated, self.rope = eps1, eps2, gated, rope
 
-    def forward(self, layer: nn.Module, x, cos, sin, slots, mask):
-        qkv = gemv.int8_fused(x, layer.qkv, self.g1, self.eps1)
-        x = gemv.int8_fused(layer.attend(qkv, cos, sin, slots, mask), layer.out, resid=x)
+    def forward(self, layer: nn.Module, x, cos, sin, slots, mask, table=None):
+        if self.rope and table is not None:
+            q = qkv_rope(x, layer.qkv, self.g1, self.eps1, *table, slots, layer.k_cache, layer.v_cache,
+                         layer.spec.n_heads)
+            a = layer.look(q, mask)
+        else:
+            a = layer.attend(gemv.int8_fused(x, layer.qkv, self.g1, self.eps1), cos, sin, slots, mask)
+        x = gemv.int8_fused(a, layer.out, resid=x)
         if self.gated:
             h = gemv.int8_fused(x, layer.up, self.g2, self.eps2, gated=True)
         elif layer.spec.mlp == "gated":
@@ -81,6 +88,14 @@ class Folded(nn.Module):
         else:
             h = layer.act(gemv.int8_fused(x, layer.up, self.g2, self.eps2))
         return gemv.int8_fused(h, layer.down, resid=x)
+
+
+def rope_fits(spec, layer: nn.Module) -> bool:
+    """Can qkv_rope serve this layer: [q | k | v] rows, rotary over the whole head (transformers'
+    half-split form, FastDecoder's tables), no per-head norm between the projection and the rotation?"""
+    s = spec
+    return (s.qkv_layout != "headwise" and s.positions == "rotary" and s.rotary_dim == s.head_dim
+            and not s.qk_norm and layer.q_norm is None and s.head_dim % 2 == 0)
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -101,7 +116,10 @@ def fold(decoder: nn.Module) -> int:
         if n1 is None or n2 is None:
             continue
         gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act)
-        layer.folded = Folded(*n1, *n2, gated)
+        rope = ROPE and rope_fits(spec, layer)
+        if rope:
+            register()  # here: a compiled step cannot trace the registration
+        layer.folded = Folded(*n1, *n2, gated, rope)
         done += 1
     head = decoder.head
     final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel else None
@@ -121,7 +139,14 @@ def _warm(decoder: nn.Module) -> None:
             if f is None:
                 continue
             x = torch.zeros(1, layer.qkv.in_features, device=f.g1.device, dtype=dtype)
-            gemv.int8_fused(x, layer.qkv, f.g1, f.eps1)
+            if f.rope:  # tuning runs the kernel once per config: scratch caches, not the layer's
+                s = decoder.spec
+                cache = torch.zeros(1, s.n_kv_heads, 1, s.head_dim, device=x.device, dtype=dtype)
+                ones = torch.ones(1, s.head_dim, device=x.device, dtype=dtype)
+                zero = torch.zeros(1, dtype=torch.long, device=x.device)
+                qkv_rope(x, layer.qkv, f.g1, f.eps1, ones, ones, zero.view(1, 1), zero, cache, cache.clone(), s.n_heads)
+            else:
+                gemv.int8_fused(x, layer.qkv, f.g1, f.eps1)
             gemv.int8_fused(torch.zeros(1, layer.out.in_features, device=x.device, dtype=dtype), layer.out, resid=x)
             h = gemv.int8_fused(x, layer.up, f.g2, f.eps2, gated=f.gated)
             gemv.int8_fused(h if f.gated else torch.zeros(1, layer.down.in_features, device=x.device, dtype=dtype),

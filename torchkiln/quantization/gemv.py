@@ -104,6 +104,20 @@ def warm(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 m(torch.zeros(1, k, device=next(m.buffers()).device, dtype=dtype))
 
 
+# The one-row int8 kernels' launch shapes (BLOCK_N, BLOCK_K, warps, stages), tuned per weight shape.
+ROW_SHAPES = ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 3), (32, 256, 8, 4),
+              (32, 512, 8, 3), (64, 128, 4, 4), (8, 1024, 8, 3), (16, 1024, 8, 3), (8, 256, 4, 4), (16, 128, 4, 4),
+              # 4 rows x 1024: Llama-3-8B's down projection 23.4 -> 19.6 us on the H200
+              # (benchmarks/diag_gemv_variants.py)
+              (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))
+
+
+def row_configs() -> list:
+    import triton
+
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in ROW_SHAPES]
+
+
 def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
@@ -119,13 +133,7 @@ def _register() -> None:
     # subtraction. On the H200 the int8 GEMVs of Llama-3-8B's shapes ran 1.06-1.22x faster so
     # (benchmarks/RESULTS.md). Written out in each kernel: a jit helper left in this function's
     # closure is not resolved by Triton (a module global is: _folded_store below).
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-               for n, k, w, s in ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4),
-                                  (32, 256, 4, 3), (32, 256, 8, 4), (32, 512, 8, 3), (64, 128, 4, 4),
-                                  (8, 1024, 8, 3), (16, 1024, 8, 3), (8, 256, 4, 4), (16, 128, 4, 4),
-                                  # 4 rows x 1024: Llama-3-8B's down projection 23.4 -> 19.6 us on the H200
-                                  # (benchmarks/diag_gemv_variants.py)
-                                  (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))]
+    configs = row_configs()
 
     # The one-row kernels' shared end (int8_gemv_fused): the RMS scale of x, silu(gate) * up, bias and
     # residual, then the store. Declared global so the kernels find it among the module's names.

@@ -1,0 +1,128 @@
+"""The folded int8 decode step's q/k/v projection with RoPE and the KV-cache write in its epilogue.
+
+After the q/k/v GEMV the unfused step ran three more kernels per layer on the H200: the rotary
+embedding of q and k and the two cache writes (index_copy_), ~1.8 + 1.2 + 1.0 us for a few KB each
+(Llama-3-8B int8, benchmarks/diag_llm_step.py; RESULTS.md, twenty-first session). Here one program
+computes a block of rows *and their rotary partners* (row j and row j + D/2 of a head: the
+half-split rotation transformers uses pairs them), so the rotation is elementwise in registers;
+q is stored rotated, k and v go straight into the cache at the step's slot. Value heads are
+"rotated" by cos 1, sin 0 (exact), so one program shape serves every head.
+
+Serves one row (batch 1, one token), heads in [q | k | v] order with full-width rotary and no
+per-head norm (fold() checks); anything else runs the unfused step. Numerics: the product, norm,
+bias and rotation stay in float32 and are rounded once, where the unfused step rounds q/k/v to
+the model's dtype before rotating: outputs differ by rounding (tests/llm/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..quantization import gemv
+
+
+def qkv_rope(x: torch.Tensor, lin: torch.nn.Module, norm: torch.Tensor | None, eps: float, cos: torch.Tensor,
+             sin: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             heads: int) -> torch.Tensor:
+    """One row x (1, 1, K) through the int8 q/k/v Linear ``lin`` (RMS-normalised by ``norm`` first,
+    as gemv.int8_fused), rotated by row ``pos`` (a one-element tensor) of the ``cos``/``sin`` tables
+    (positions, head_dim); k and v written into ``k_cache``/``v_cache`` (1, KV, S, D) at ``slot`` (a
+    (1,) tensor). Returns q (1, heads, 1, D), rotated. register() first (outside any compiled region)."""
+    return torch.ops.torchkiln.int8_qkv_rope(x, lin.weight, lin.scales, norm, eps, lin.bias, cos, sin, pos, slot,
+                                             k_cache, v_cache, heads)
+
+
+@functools.cache
+def register() -> None:
+    """Build the kernel and register the op, once, on first use (no import-time work)."""
+    import triton
+    import triton.language as tl
+
+    # BLOCK_N counts pairs, two rows each: gemv's one-row shapes, and each with half the pairs (the
+    # same rows per program as the plain kernel's tuned tile)
+    shapes = sorted(set(gemv.ROW_SHAPES) | {(max(2, n // 2), *rest) for n, *rest in gemv.ROW_SHAPES})
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in shapes]
+
+    @triton.autotune(configs=configs, key=["P", "K", "RMS"])
+    @triton.jit
+    def _int8_qkv_rope(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, P, K, H, KV,
+                S, eps, D: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        HALF: tl.constexpr = D // 2
+        p = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # rotary pairs, over all heads
+        keep = p < P
+        head = p // HALF
+        j = p % HALF
+        row = head * D + j  # the pair's first row; its partner is row + HALF
+        rk = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + row[:, None].to(tl.int64) * K + rk[None, :]
+        x_ptrs = x_ptr + rk
+        acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            inside = rk < K - k * BLOCK_K
+            both = keep[:, None] & inside[None, :]
+            wa = tl.load(w_ptrs, mask=both, other=0)
+            wb = tl.load(w_ptrs + HALF * K, mask=both, other=0)
+            x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)
+            if RMS:
+                sq += x * x
+                x = x * tl.load(g_ptr + k * BLOCK_K + rk, mask=inside, other=0.0)
+            # int8 to float by the bit trick of gemv's kernels (int8 + 128 ORed into 2^23's bits)
+            acc_a += (((wa.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
+            acc_b += (((wb.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0) * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        a = tl.sum(acc_a, axis=1) * tl.load(s_ptr + row, mask=keep, other=0.0).to(tl.float32)
+        b = tl.sum(acc_b, axis=1) * tl.load(s_ptr + row + HALF, mask=keep, other=0.0).to(tl.float32)
+        if RMS:
+            r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            a = a * r
+            b = b * r
+        if b_ptr is not None:
+            a += tl.load(b_ptr + row, mask=keep, other=0.0).to(tl.float32)
+            b += tl.load(b_ptr + row + HALF, mask=keep, other=0.0).to(tl.float32)
+        # transformers' rotation: [a, b] -> [a cos - b sin, b cos + a sin] (cos/sin of j and j + HALF)
+        turn = keep & (head < H + KV)
+        at = tl.load(pos_ptr) * D + j  # this position's row of the tables
+        cos_ptr += at
+        sin_ptr += at
+        c1 = tl.load(cos_ptr, mask=turn, other=1.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + HALF, mask=turn, other=1.0).to(tl.float32)
+        s1 = tl.load(sin_ptr, mask=turn, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + HALF, mask=turn, other=0.0).to(tl.float32)
+        ra = a * c1 - b * s1
+        rb = b * c2 + a * s2
+        is_q = keep & (head < H)
+        tl.store(q_ptr + row, ra.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(q_ptr + row + HALF, rb.to(q_ptr.dtype.element_ty), mask=is_q)
+        slot = tl.load(slot_ptr)
+        is_k = keep & (head >= H) & (head < H + KV)
+        at = (head - H).to(tl.int64) * S * D + slot * D + j  # cache (1, KV, S, D)
+        tl.store(kc_ptr + at, ra.to(kc_ptr.dtype.element_ty), mask=is_k)
+        tl.store(kc_ptr + at + HALF, rb.to(kc_ptr.dtype.element_ty), mask=is_k)
+        is_v = keep & (head >= H + KV)
+        at = at - KV * S * D
+        tl.store(vc_ptr + at, ra.to(vc_ptr.dtype.element_ty), mask=is_v)
+        tl.store(vc_ptr + at + HALF, rb.to(vc_ptr.dtype.element_ty), mask=is_v)
+
+    gemv.KERNELS["int8_qkv_rope"] = _int8_qkv_rope
+
+    @torch.library.custom_op("torchkiln::int8_qkv_rope", mutates_args=("k_cache", "v_cache"))
+    def int8_qkv_rope(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor | None,
+                      eps: float, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                      slot: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
+        _, kv, s, d = k_cache.shape
+        rows, k = weight.shape
+        q = torch.empty(1, heads, 1, d, device=x.device, dtype=x.dtype)
+        pairs = rows // 2
+        _int8_qkv_rope[lambda meta: (triton.cdiv(pairs, meta["BLOCK_N"]),)](
+            x.reshape(1, k).contiguous(), weight, scales, norm, bias, cos.contiguous(), sin.contiguous(), pos, slot, q, k_cache, v_cache, pairs, k, heads, kv, s, eps, D=d,
+            RMS=norm is not None)
+        return q
+
+    @int8_qkv_rope.register_fake
+    def _(x, weight, scales, norm, eps, bias, cos, sin, pos, slot, k_cache, v_cache, heads):
+        return x.new_empty(1, heads, 1, k_cache.shape[-1])
