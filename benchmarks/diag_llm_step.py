@@ -66,6 +66,7 @@ def unfolded(runner):
 
 def unroped(runner):
     for layer in runner.decoder.layers:
+        layer.rope_kernel = False
         if layer.folded is not None:
             layer.folded.rope = False
 
@@ -73,7 +74,7 @@ def unroped(runner):
 TWEAKS = {  # each takes the Runner
     "served": lambda r: None,
     "unfolded": unfolded,  # --quant int8: norms, residual adds and silu * up outside the GEMVs
-    "unroped": unroped,  # --quant int8 folded, but RoPE and the cache writes outside the q/k/v GEMV
+    "unroped": unroped,  # RoPE and the cache writes by inductor (not llm/qkv_rope.py's kernels)
     "sdpa-attn": sdpa_attention,  # torch's SDPA for the one-query attention (before decode_attention)
     "cublas-o-down": cublas_o_down,  # cuBLAS for o/down whatever cuda_projections measured
     "math-attn": lambda r: [setattr(la, "attention", types.MethodType(math_attention, la))

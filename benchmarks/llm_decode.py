@@ -38,7 +38,8 @@ def main() -> int:
     for peer, rep in info["reports"].items():
         print(f"{peer}: compile s {rep['compile_s']}, setup s {rep['setup_s']}, verify error {rep['verify_error']}, "
               f"quant cosine {rep['quant_cosine']}, fallbacks {rep['fallbacks']}"
-              + (f", CPU decode projections: {rep['cpu_gemv']}" if rep.get("cpu_gemv") else ""))
+              + (f", CPU decode projections: {rep['cpu_gemv']}" if rep.get("cpu_gemv") else "")
+              + (f", CUDA decode projections: {rep['cuda_gemv']}" if rep.get("cuda_gemv") else ""))
     if a.results:
         with open(a.results, "a") as f:
             f.write(f"\n### {date.today()} `python benchmarks/llm_decode.py {' '.join(sys.argv[1:])}`\n\n{text}\n")

@@ -13,7 +13,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import torchkiln as tk  # noqa: E402
-from torchkiln.llm import fused  # noqa: E402
+from torchkiln.llm import fused, qkv_rope  # noqa: E402
 
 from .families import build  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_rope_folds_only_where_the_rotation_is_whole_and_follows_the_projection(
     def fits(name, **kw):
         model = build(name, **kw)
         spec, parts = read(model)
-        return fused.rope_fits(spec, types.SimpleNamespace(q_norm=parts.blocks[0].q_norm))
+        return qkv_rope.fits(spec, types.SimpleNamespace(q_norm=parts.blocks[0].q_norm))
 
     assert fits("llama") and fits("qwen2") and fits("gemma") and fits("mistral")
     assert not fits("qwen3")  # q/k norms between the projection and the rotation
@@ -195,3 +195,52 @@ def test_qkv_rope_kernel_matches_float64(heads, kv, d, k, norm, bias):
     assert err(q[0, :, 0], ref_q) < 8e-3 and err(kc[0, :, 17], ref_k) < 8e-3 and err(vc[0, :, 17], ref_v) < 8e-3
     others = torch.arange(40, device="cuda") != 17
     assert torch.equal(kc[:, :, others], k0[:, :, others]) and torch.equal(vc[:, :, others], v0[:, :, others])
+
+
+@cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_rope_cache_kernel_matches_rotate_and_index_copy(dtype, tol):
+    """The float/int4 steps' rotation + cache write against the decoder's own rotate() and
+    index_copy_ (what it replaces), in float64 from the same rounded q/k/v."""
+    from torchkiln.llm.model import rotate
+
+    qkv_rope.register()
+    heads, kv, d = 8, 2, 64
+    torch.manual_seed(1)
+    qkv = torch.randn(1, 1, (heads + 2 * kv) * d, device="cuda", dtype=dtype)
+    ang = torch.rand(30, d // 2, device="cuda") * 6
+    cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
+    kc, vc = torch.randn(2, 1, kv, 20, d, device="cuda", dtype=dtype)
+    k0, v0 = kc.clone(), vc.clone()
+    q = qkv_rope.rope_cache(qkv, cos, sin, torch.tensor([[29]], device="cuda"), torch.tensor([3], device="cuda"),
+                            kc, vc, heads)
+    y = qkv.double().view(heads + 2 * kv, d)[:, None]  # (heads, T=1, D)
+    c, s = cos[29].double(), sin[29].double()
+    ref_k = rotate(y[heads:heads + kv], c, s)[None]
+    k0.index_copy_(2, torch.tensor([3], device="cuda"), ref_k.to(dtype))
+    v0.index_copy_(2, torch.tensor([3], device="cuda"), y[None, heads + kv:].to(dtype))
+    torch.testing.assert_close(q.double(), rotate(y[:heads], c, s)[None], rtol=tol, atol=tol)
+    torch.testing.assert_close(kc, k0, rtol=tol, atol=tol)
+    torch.testing.assert_close(vc, v0, rtol=0, atol=0)  # v is only copied
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_decode_with_the_rope_kernel_matches_inductors(family, monkeypatch):
+    """bf16 decode rotating in qkv_rope's kernel against inductor's rotation: the same greedy tokens
+    and logits within bf16 rounding; families it cannot serve keep inductor's."""
+    model = build(family, seed=3, intermediate_size=128).cuda()
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, max_seq_len=64)
+    assert all(la.rope_kernel for la in fast._kiln_runner.decoder.layers)
+    monkeypatch.setattr(qkv_rope, "ROPE", False)
+    plain = tk.llm.optimize(model, dtype=torch.bfloat16, max_seq_len=64)
+    assert not any(la.rope_kernel for la in plain._kiln_runner.decoder.layers)
+    a, b = fast.generate(ids, **kw), plain.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits, strict=True):
+        assert float((la - lb).norm() / lb.norm()) < 2e-2
+    monkeypatch.setattr(qkv_rope, "ROPE", True)
+    qwen3 = tk.llm.optimize(build("qwen3").cuda(), dtype=torch.bfloat16, max_seq_len=64)
+    assert not any(la.rope_kernel for la in qwen3._kiln_runner.decoder.layers)  # q/k norms

@@ -20,7 +20,7 @@ from .. import _log
 from .._log import warn_once
 from ..modelutil import first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
-from . import decode_attention, fused
+from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
 from .quant import cpu_int8_rows, gptq_codes
@@ -186,6 +186,9 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
         report.attention = "kernel"
         for layer in decoder.layers:
             layer.decode_kernel = True
+            layer.rope_kernel = qkv_rope.ROPE and qkv_rope.fits(spec, layer)
+            if layer.rope_kernel:
+                qkv_rope.register()  # here: a compiled step cannot trace the registration
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
         if quant is None:  # quantized, these layers are replaced below

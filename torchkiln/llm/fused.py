@@ -26,10 +26,9 @@ from torch import nn
 
 from ..quantization import gemv
 from ..quantization.weight_only import Int8Linear
-from .qkv_rope import qkv_rope, register
+from . import qkv_rope
 
 ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
-ROPE = True  # also fold RoPE and the cache writes into the q/k/v GEMV (qkv_rope.py); False for side-by-sides
 
 
 def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
@@ -74,7 +73,7 @@ class Folded(nn.Module):
 
     def forward(self, layer: nn.Module, x, cos, sin, slots, mask, table=None):
         if self.rope and table is not None:
-            q = qkv_rope(x, layer.qkv, self.g1, self.eps1, *table, slots, layer.k_cache, layer.v_cache,
+            q = qkv_rope.qkv_rope(x, layer.qkv, self.g1, self.eps1, *table, slots, layer.k_cache, layer.v_cache,
                          layer.spec.n_heads)
             a = layer.look(q, mask)
         else:
@@ -88,14 +87,6 @@ class Folded(nn.Module):
         else:
             h = layer.act(gemv.int8_fused(x, layer.up, self.g2, self.eps2))
         return gemv.int8_fused(h, layer.down, resid=x)
-
-
-def rope_fits(spec, layer: nn.Module) -> bool:
-    """Can qkv_rope serve this layer: [q | k | v] rows, rotary over the whole head (transformers'
-    half-split form, FastDecoder's tables), no per-head norm between the projection and the rotation?"""
-    s = spec
-    return (s.qkv_layout != "headwise" and s.positions == "rotary" and s.rotary_dim == s.head_dim
-            and not s.qk_norm and layer.q_norm is None and s.head_dim % 2 == 0)
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -116,9 +107,9 @@ def fold(decoder: nn.Module) -> int:
         if n1 is None or n2 is None:
             continue
         gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act)
-        rope = ROPE and rope_fits(spec, layer)
+        rope = qkv_rope.ROPE and qkv_rope.fits(spec, layer)
         if rope:
-            register()  # here: a compiled step cannot trace the registration
+            qkv_rope.register()  # here: a compiled step cannot trace the registration
         layer.folded = Folded(*n1, *n2, gated, rope)
         done += 1
     head = decoder.head
@@ -144,7 +135,7 @@ def _warm(decoder: nn.Module) -> None:
                 cache = torch.zeros(1, s.n_kv_heads, 1, s.head_dim, device=x.device, dtype=dtype)
                 ones = torch.ones(1, s.head_dim, device=x.device, dtype=dtype)
                 zero = torch.zeros(1, dtype=torch.long, device=x.device)
-                qkv_rope(x, layer.qkv, f.g1, f.eps1, ones, ones, zero.view(1, 1), zero, cache, cache.clone(), s.n_heads)
+                qkv_rope.qkv_rope(x, layer.qkv, f.g1, f.eps1, ones, ones, zero.view(1, 1), zero, cache, cache.clone(), s.n_heads)
             else:
                 gemv.int8_fused(x, layer.qkv, f.g1, f.eps1)
             gemv.int8_fused(torch.zeros(1, layer.out.in_features, device=x.device, dtype=dtype), layer.out, resid=x)

@@ -25,7 +25,7 @@ from ..kernels import cpu_gemv
 from ..modelutil import first_line, is_oom
 from ..quantization import gemv
 from ..timing import interleaved
-from . import decode_attention, fused
+from . import decode_attention, fused, qkv_rope
 from .spec import DecoderSpec, Parts
 
 _fresh_ids = itertools.count()
@@ -372,16 +372,19 @@ class Layer(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
         self.decode_kernel = False  # one-query steps through decode_attention (set for CUDA decoders)
+        self.rope_kernel = False  # one-row steps rotate and write the cache in one kernel (qkv_rope.py)
         self.folded = None  # fused.Folded: one-row int8 CUDA steps with the norms etc. in the GEMVs
 
-    def attention(self, x, cos, sin, slots, mask):
-        return self.out(self.attend(self.qkv(x), cos, sin, slots, mask))
+    def attention(self, x, cos, sin, slots, mask, table=None):
+        return self.out(self.attend(self.qkv(x), cos, sin, slots, mask, table))
 
-    def attend(self, qkv, cos, sin, slots, mask):
+    def attend(self, qkv, cos, sin, slots, mask, table=None):
         """q/k/v projections (B, T, ...) -> attention output (B, T, heads * head_dim), the cache written."""
         s = self.spec
         B, T, _ = qkv.shape
         H, KV, D = s.n_heads, s.n_kv_heads, s.head_dim
+        if self.rope_kernel and table is not None and B * T == 1:
+            return self.look(qkv_rope.rope_cache(qkv, *table, slots, self.k_cache, self.v_cache, H), mask)
         if s.qkv_layout == "headwise":  # [h, 3, d] rows (GPT-NeoX)
             q, k, v = qkv.view(B, T, H, 3 * D).split(D, dim=-1)
         else:
@@ -427,8 +430,8 @@ class Layer(nn.Module):
         if self.folded is not None and fused.one_row(x):
             return self.folded(self, x, cos, sin, slots, mask, table)
         if self.spec.parallel_residual:
-            return x + self.attention(self.norm1(x), cos, sin, slots, mask) + self.mlp(self.norm2(x))
-        x = x + self.attention(self.norm1(x), cos, sin, slots, mask)
+            return x + self.attention(self.norm1(x), cos, sin, slots, mask, table) + self.mlp(self.norm2(x))
+        x = x + self.attention(self.norm1(x), cos, sin, slots, mask, table)
         return x + self.mlp(self.norm2(x))
 
 
