@@ -6,7 +6,8 @@ launch and a DRAM round trip between two GEMVs. The one-row int8 kernels (quanti
 ``int8_fused``) take them in: the norm as a prologue (the kernel already streams all of x; the
 sum of squares rides along, the scalar rsqrt is applied to the dot products at the end), the
 residual add and silu * up as epilogues (gate row n and up row n in the same program). So a layer
-is q/k/v, the attention kernels, o (+ residual), gate/up (+ norm, silu * up), down (+ residual).
+is q/k/v (+ norm, and RoPE and the cache writes where qkv_rope.py serves), the attention kernels,
+o (+ residual), gate/up (+ norm, silu * up), down (+ residual).
 Measured on the H200: RESULTS.md, "The neighbours folded in" (twenty-first session).
 
 Which norms and activations qualify is read from what the modules compute, not their class
