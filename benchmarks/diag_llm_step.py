@@ -22,7 +22,7 @@ from torchkiln.llm import bench
 from torchkiln.llm.model import CublasLinear, _register_linear, grouped_attention, linear_of, rotate
 
 
-def math_attention(self, x, cos, sin, slots, mask):
+def math_attention(self, x, cos, sin, slots, mask, table=None):
     """Layer.attention with the one-query attention written as two matmuls and a softmax (the CPU
     form), so inductor fuses it, instead of the opaque SDPA call."""
     s = self.spec

@@ -65,8 +65,8 @@ def test_is_silu_by_value():
 def test_nothing_folds_on_the_cpu():
     model = build("llama", intermediate_size=128)
     fast = tk.llm.optimize(model, dtype=torch.float32, quant="int8", compile=False)
-    assert fast.kiln_report.folded is None
-    assert all(layer.folded is None for layer in fast._kiln_runner.decoder.layers)
+    assert fast.kiln_report.folded is None and fast.kiln_report.rope is None
+    assert all(layer.folded is None and not layer.rope_kernel for layer in fast._kiln_runner.decoder.layers)
 
 
 def test_rope_folds_only_where_the_rotation_is_whole_and_follows_the_projection():
@@ -234,6 +234,7 @@ def test_bf16_decode_with_the_rope_kernel_matches_inductors(family, monkeypatch)
     kw = dict(max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
     fast = tk.llm.optimize(model, dtype=torch.bfloat16, max_seq_len=64)
     assert all(la.rope_kernel for la in fast._kiln_runner.decoder.layers)
+    assert fast.kiln_report.rope == 2 and "cache writes in one kernel: 2" in str(fast.kiln_report)
     monkeypatch.setattr(qkv_rope, "ROPE", False)
     plain = tk.llm.optimize(model, dtype=torch.bfloat16, max_seq_len=64)
     assert not any(la.rope_kernel for la in plain._kiln_runner.decoder.layers)
@@ -244,3 +245,4 @@ def test_bf16_decode_with_the_rope_kernel_matches_inductors(family, monkeypatch)
     monkeypatch.setattr(qkv_rope, "ROPE", True)
     qwen3 = tk.llm.optimize(build("qwen3").cuda(), dtype=torch.bfloat16, max_seq_len=64)
     assert not any(la.rope_kernel for la in qwen3._kiln_runner.decoder.layers)  # q/k norms
+    assert qwen3.kiln_report.rope == 0

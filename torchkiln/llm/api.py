@@ -66,6 +66,8 @@ class LLMReport:
                                          # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
     folded: int | None = None            # int8 CUDA decode: layers whose norms, residual adds and silu * up
                                          # run inside the GEMVs (llm/fused.py)
+    rope: int | None = None              # CUDA one-row decode: layers whose RoPE and KV-cache writes run in
+                                         # llm/qkv_rope.py's kernels (in the int8 q/k/v GEMV where folded)
     wrapper: str | None = None           # the compiled decode step's wrapper: "C++" (CPU) or "Python"
 
     def to_dict(self) -> dict:
@@ -87,6 +89,8 @@ class LLMReport:
                 lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
             if self.folded is not None:
                 lines.append(f"  int8 decode layers with norms, residuals and silu * up inside the GEMVs: {self.folded}")
+            if self.rope is not None:
+                lines.append(f"  decode layers with RoPE and the cache writes in one kernel: {self.rope}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
         return "\n".join(lines)
@@ -189,6 +193,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             layer.rope_kernel = qkv_rope.ROPE and qkv_rope.fits(spec, layer)
             if layer.rope_kernel:
                 qkv_rope.register()  # here: a compiled step cannot trace the registration
+        report.rope = sum(la.rope_kernel for la in decoder.layers)
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
         if quant is None:  # quantized, these layers are replaced below
