@@ -67,8 +67,6 @@ def unfolded(runner):
 def unroped(runner):
     for layer in runner.decoder.layers:
         layer.rope_kernel = False
-        if layer.folded is not None:
-            layer.folded.rope = False
 
 
 TWEAKS = {  # each takes the Runner

@@ -3,8 +3,6 @@ float64 reference written without them, and the folded decode against the unfold
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,8 +72,7 @@ def test_rope_folds_only_where_the_rotation_is_whole_and_follows_the_projection(
 
     def fits(name, **kw):
         model = build(name, **kw)
-        spec, parts = read(model)
-        return qkv_rope.fits(spec, types.SimpleNamespace(q_norm=parts.blocks[0].q_norm))
+        return qkv_rope.fits(read(model)[0])
 
     assert fits("llama") and fits("qwen2") and fits("gemma") and fits("mistral")
     assert not fits("qwen3")  # q/k norms between the projection and the rotation
@@ -147,7 +144,7 @@ def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
     assert folded.kiln_report.folded == 2 and "inside the GEMVs: 2" in str(folded.kiln_report)
     layers = folded._kiln_runner.decoder.layers
     assert all(la.folded is not None for la in layers)
-    assert all(la.folded.gated == (family != "gemma") and la.folded.rope for la in layers)
+    assert all(la.folded.gated == (family != "gemma") and la.rope_kernel for la in layers)
     monkeypatch.setattr(fused, "ON", False)
     plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
     assert plain.kiln_report.folded is None

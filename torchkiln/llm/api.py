@@ -188,12 +188,13 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
     report.attention = "matmul" if target.type == "cpu" else "sdpa"
     if decode_attention.wanted(target):
         report.attention = "kernel"
+        rope = qkv_rope.ROPE and qkv_rope.fits(spec)
+        if rope:
+            qkv_rope.register()  # here: a compiled step cannot trace the registration
         for layer in decoder.layers:
             layer.decode_kernel = True
-            layer.rope_kernel = qkv_rope.ROPE and qkv_rope.fits(spec, layer)
-            if layer.rope_kernel:
-                qkv_rope.register()  # here: a compiled step cannot trace the registration
-        report.rope = sum(la.rope_kernel for la in decoder.layers)
+            layer.rope_kernel = rope
+        report.rope = len(decoder.layers) if rope else 0
     if target.type == "cuda" and compile:
         cublas_projections(decoder)
         if quant is None:  # quantized, these layers are replaced below

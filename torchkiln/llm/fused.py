@@ -66,19 +66,19 @@ def is_silu(act: nn.Module) -> bool:
 class Folded(nn.Module):
     """One layer's folded norms (buffers, so they follow the decoder's device)."""
 
-    def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool, rope: bool):
+    def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool):
         super().__init__()
         self.register_buffer("g1", g1, persistent=False)
         self.register_buffer("g2", g2, persistent=False)
-        self.eps1, self.eps2, self.gated, self.rope = eps1, eps2, gated, rope
+        self.eps1, self.eps2, self.gated = eps1, eps2, gated
 
     def forward(self, layer: nn.Module, x, cos, sin, slots, mask, table=None):
-        if self.rope and table is not None:
+        if layer.rope_kernel and table is not None:  # RoPE and the cache writes in the q/k/v GEMV too
             q = qkv_rope.qkv_rope(x, layer.qkv, self.g1, self.eps1, *table, slots, layer.k_cache, layer.v_cache,
-                         layer.spec.n_heads)
+                                  layer.spec.n_heads)
             a = layer.look(q, mask)
         else:
-            a = layer.attend(gemv.int8_fused(x, layer.qkv, self.g1, self.eps1), cos, sin, slots, mask)
+            a = layer.attend(gemv.int8_fused(x, layer.qkv, self.g1, self.eps1), cos, sin, slots, mask, table)
         x = gemv.int8_fused(a, layer.out, resid=x)
         if self.gated:
             h = gemv.int8_fused(x, layer.up, self.g2, self.eps2, gated=True)
@@ -108,10 +108,7 @@ def fold(decoder: nn.Module) -> int:
         if n1 is None or n2 is None:
             continue
         gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act)
-        rope = qkv_rope.ROPE and qkv_rope.fits(spec, layer)
-        if rope:
-            qkv_rope.register()  # here: a compiled step cannot trace the registration
-        layer.folded = Folded(*n1, *n2, gated, rope)
+        layer.folded = Folded(*n1, *n2, gated)
         done += 1
     head = decoder.head
     final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel else None
@@ -131,12 +128,13 @@ def _warm(decoder: nn.Module) -> None:
             if f is None:
                 continue
             x = torch.zeros(1, layer.qkv.in_features, device=f.g1.device, dtype=dtype)
-            if f.rope:  # tuning runs the kernel once per config: scratch caches, not the layer's
+            if layer.rope_kernel:  # tuning runs the kernel once per config: scratch caches, not the layer's
                 s = decoder.spec
                 cache = torch.zeros(1, s.n_kv_heads, 1, s.head_dim, device=x.device, dtype=dtype)
                 ones = torch.ones(1, s.head_dim, device=x.device, dtype=dtype)
                 zero = torch.zeros(1, dtype=torch.long, device=x.device)
-                qkv_rope.qkv_rope(x, layer.qkv, f.g1, f.eps1, ones, ones, zero.view(1, 1), zero, cache, cache.clone(), s.n_heads)
+                qkv_rope.qkv_rope(x, layer.qkv, f.g1, f.eps1, ones, ones, zero.view(1, 1), zero, cache, cache.clone(),
+                                  s.n_heads)
             else:
                 gemv.int8_fused(x, layer.qkv, f.g1, f.eps1)
             gemv.int8_fused(torch.zeros(1, layer.out.in_features, device=x.device, dtype=dtype), layer.out, resid=x)

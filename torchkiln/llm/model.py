@@ -424,9 +424,9 @@ class Layer(nn.Module):
         return self.down(h)
 
     def forward(self, x, cos, sin, slots, mask, table=None):
-        """``table``: (the cos table, the sin table, positions), for a folded step's q/k/v kernel to
-        read this position's rows itself (an indexed cos/sin as a custom op's input was gathered
-        again for each of its callers by inductor: 15 kernels a step, Llama-3-8B on the H200)."""
+        """``table``: (the cos table, the sin table, positions), for qkv_rope's kernels to read this
+        position's rows themselves (an indexed cos/sin as a custom op's input was gathered again for
+        each of its callers by inductor: 15 kernels a step, Llama-3-8B int8 on the H200)."""
         if self.folded is not None and fused.one_row(x):
             return self.folded(self, x, cos, sin, slots, mask, table)
         if self.spec.parallel_residual:

@@ -1,17 +1,20 @@
-"""The folded int8 decode step's q/k/v projection with RoPE and the KV-cache write in its epilogue.
+"""RoPE and the KV-cache writes of a one-row CUDA decode step, in one kernel instead of inductor's three.
 
-After the q/k/v GEMV the unfused step ran three more kernels per layer on the H200: the rotary
-embedding of q and k and the two cache writes (index_copy_), ~1.8 + 1.2 + 1.0 us for a few KB each
-(Llama-3-8B int8, benchmarks/diag_llm_step.py; RESULTS.md, twenty-first session). Here one program
-computes a block of rows *and their rotary partners* (row j and row j + D/2 of a head: the
-half-split rotation transformers uses pairs them), so the rotation is elementwise in registers;
-q is stored rotated, k and v go straight into the cache at the step's slot. Value heads are
-"rotated" by cos 1, sin 0 (exact), so one program shape serves every head.
+After the q/k/v projection the compiled step ran three more kernels per layer on the H200: the
+rotary embedding of q and k and the two cache writes (index_copy_), ~1.8 + 1.2 + 1.0 us for a few
+KB each (Llama-3-8B int8, benchmarks/diag_llm_step.py; RESULTS.md, twenty-first session). Both
+kernels here work on rotary *pairs* (row j and row j + D/2 of a head: the half-split rotation
+transformers uses pairs them), so the rotation is elementwise in registers; q is stored rotated,
+k and v go straight into the cache at the step's slot. Value heads are "rotated" by cos 1, sin 0
+(exact), so one program shape serves every head.
+- ``qkv_rope``: the folded int8 step's q/k/v GEMV (llm/fused.py) with all of that in its epilogue.
+  The product, norm, bias and rotation stay in float32 and are rounded once, where the unfused
+  step rounds q/k/v to the model's dtype before rotating: outputs differ by rounding.
+- ``rope_cache``: after a projection that stays outside (float, int4): rotates its rounded output
+  in float32 and rounds once, as the compiled expression does.
 
 Serves one row (batch 1, one token), heads in [q | k | v] order with full-width rotary and no
-per-head norm (fold() checks); anything else runs the unfused step. Numerics: the product, norm,
-bias and rotation stay in float32 and are rounded once, where the unfused step rounds q/k/v to
-the model's dtype before rotating: outputs differ by rounding (tests/llm/test_fused.py).
+per-head norm (``fits``); anything else keeps inductor's form. Tested: tests/llm/test_fused.py.
 """
 
 from __future__ import annotations
@@ -36,21 +39,19 @@ def qkv_rope(x: torch.Tensor, lin: torch.nn.Module, norm: torch.Tensor | None, e
                                              k_cache, v_cache, heads)
 
 
-def fits(spec, layer: torch.nn.Module) -> bool:
-    """Can these kernels serve this layer: [q | k | v] rows, rotary over the whole head (transformers'
-    half-split form, FastDecoder's tables), no per-head norm between the projection and the rotation?"""
-    s = spec
-    return (s.qkv_layout != "headwise" and s.positions == "rotary" and s.rotary_dim == s.head_dim
-            and not s.qk_norm and layer.q_norm is None and s.head_dim % 2 == 0)
+def fits(spec) -> bool:
+    """Can these kernels serve a decoder of this DecoderSpec: [q | k | v] rows, rotary over the whole
+    head (transformers' half-split form, FastDecoder's tables), no per-head norm between the
+    projection and the rotation?"""
+    return (spec.qkv_layout != "headwise" and spec.positions == "rotary" and spec.rotary_dim == spec.head_dim
+            and not spec.qk_norm and spec.head_dim % 2 == 0)
 
 
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int) -> torch.Tensor:
-    """The same rotation and cache write after a q/k/v projection that stays outside (float and int4
-    steps): one kernel where inductor ran three (rotate q, rotate k and write it, write v: 1.2 + 1.8 +
-    1.0 us a layer in Llama-3-8B's bf16 step on the H200, benchmarks/diag_llm_step.py). Rotates from
-    the projection's rounded values in float32 and rounds once, as the compiled expression does.
-    qkv (1, 1, (heads + 2 KV) * D). Returns q (1, heads, 1, D), rotated."""
+    """The rotation and cache write after a q/k/v projection that stays outside (float and int4 steps;
+    inductor's three kernels took 1.2 + 1.8 + 1.0 us a layer in Llama-3-8B's bf16 step on the H200).
+    qkv (1, 1, (heads + 2 KV) * D). Returns q (1, heads, 1, D), rotated. register() first."""
     return torch.ops.torchkiln.rope_cache(qkv, cos, sin, pos, slot, k_cache, v_cache, heads)
 
 
@@ -96,10 +97,9 @@ def register() -> None:
 
     # BLOCK_N counts pairs, two rows each: gemv's one-row shapes, and each with half the pairs (the
     # same rows per program as the plain kernel's tuned tile)
-    shapes = sorted(set(gemv.ROW_SHAPES) | {(max(2, n // 2), *rest) for n, *rest in gemv.ROW_SHAPES})
-    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in shapes]
+    halved = {(max(2, n // 2), *rest) for n, *rest in gemv.ROW_SHAPES}
 
-    @triton.autotune(configs=configs, key=["P", "K", "RMS"])
+    @triton.autotune(configs=gemv.row_configs(sorted(set(gemv.ROW_SHAPES) | halved)), key=["P", "K", "RMS"])
     @triton.jit
     def _int8_qkv_rope(x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
                        P, K, H, KV, S, eps, D: tl.constexpr, RMS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -165,8 +165,8 @@ def register() -> None:
         q = torch.empty(1, heads, 1, d, device=x.device, dtype=x.dtype)
         pairs = rows // 2
         _int8_qkv_rope[lambda meta: (triton.cdiv(pairs, meta["BLOCK_N"]),)](
-            x.reshape(1, k).contiguous(), weight, scales, norm, bias, cos.contiguous(), sin.contiguous(), pos, slot, q, k_cache, v_cache, pairs, k, heads, kv, s, eps, D=d,
-            RMS=norm is not None)
+            x.reshape(1, k).contiguous(), weight, scales, norm, bias, cos.contiguous(), sin.contiguous(), pos, slot,
+            q, k_cache, v_cache, pairs, k, heads, kv, s, eps, D=d, RMS=norm is not None)
         return q
 
     @int8_qkv_rope.register_fake

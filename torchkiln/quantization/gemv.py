@@ -112,10 +112,10 @@ ROW_SHAPES = ((8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (16, 512, 8, 4),
               (4, 1024, 4, 3), (4, 2048, 4, 3), (8, 2048, 8, 3))
 
 
-def row_configs() -> list:
+def row_configs(shapes=ROW_SHAPES) -> list:
     import triton
 
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in ROW_SHAPES]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
 
 
 def _pow2(m: int) -> int:
