@@ -147,23 +147,48 @@ def test_one_row_kernels_both_forms(mode, kind, n, k, group, monkeypatch):
     assert err < 8e-3, err
 
 
-@pytest.mark.parametrize("n,k,rows,group", [(4096, 4096, 1, 128), (1024, 1536, 3, 64), (256, 512, 16, 32)])
+@pytest.mark.parametrize("n,k,rows,group", [(4096, 4096, 1, 128), (1024, 1536, 3, 64), (256, 512, 16, 32),
+                                            (256, 512, 48, 32), (1024, 1536, 96, 128)])
 def test_tinygemm_layout_matches_the_triton_layout(n, k, rows, group):
-    """Int4Linear in tinygemm's layout (torch's int4 kernel on plain buffers) against a float matmul
-    over the Triton layout's dequantized weight: the same q, scale and zero, packed another way."""
-    from torchkiln.quantization.weight_only import Int4Linear
+    """Int4Linear in tinygemm's layout (torch's int4 kernel on plain buffers; dequantized for cuBLAS
+    above TINYGEMM_ROWS rows) against a float matmul over the Triton layout's dequantized weight: the
+    same q, scale and zero, packed another way."""
+    from torchkiln.quantization import gemv
+    from torchkiln.quantization.weight_only import TINYGEMM_ROWS, Int4Linear
 
     torch.manual_seed(n + rows)
     lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
     assert Int4Linear.fits_tinygemm(lin, group)
     tiny, plain = Int4Linear(lin, group, tinygemm=True), Int4Linear(lin, group)
     x = torch.randn(rows, 1, k, device="cuda", dtype=torch.bfloat16)
-    ref = x.float() @ _dequantized(plain).t() + lin.bias.float()
+    want = _dequantized(plain)
+    ref = x.float() @ want.t() + lin.bias.float()
     for got in (tiny(x), torch.compile(tiny, mode="reduce-overhead")(x)):
         assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
         err = float((got.float() - ref).norm() / ref.norm())
         assert err < 8e-3, err
+    if rows > TINYGEMM_ROWS:  # the unpacked tiles themselves (bf16, and the table's zero rounded to bf16)
+        w = gemv.tinygemm_dense(tiny.packed, tiny.scale_zero, tiny.order, group)
+        assert w.shape == (n, k) and w.dtype == torch.bfloat16
+        assert float((w.float() - want).abs().max()) < 1e-2 * float(want.abs().max())
     assert not Int4Linear.fits_tinygemm(torch.nn.Linear(k, n, device="cuda"), group)  # float32: no
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 4])
+def test_int8_decode_rows_each_dtype(dtype, rows):
+    """2-4 rows (batched decode): the int8 matmul kernel in 16-bit, the few-row GEMV in float32, each
+    against a float64 matmul over the dequantized weight."""
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(1536, 1000, bias=True, device="cuda", dtype=dtype)
+    q = Int8Linear(lin)
+    x = torch.randn(rows, 1536, device="cuda", dtype=dtype)
+    ref = x.double() @ (q.weight.double() * q.scales.double()[:, None]).t() + lin.bias.double()
+    got = q(x)
+    assert got.shape == (rows, 1000) and got.dtype == dtype
+    assert float((got.double() - ref).norm() / ref.norm()) < (1e-5 if dtype == torch.float32 else 8e-3)
 
 
 def test_gptq_int4_on_cuda():

@@ -15,8 +15,9 @@ The kernels stream the weight once, in wide row-major tiles, and dequantize in r
   contiguous slices of x). Per group the kernel sums ``q * x`` and applies scale and zero once.
 
 One-row calls read the weights as 32-bit words (fewer integer operations per value; see the
-kernels). All rows of x (at most MAX_ROWS: decode batches) go through one program per weight tile, so
-the weight is read once; wider inputs (prefill) take the matmul expression instead. Registered
+kernels). int8 calls of 2 to WIDE_ROWS rows in bf16/fp16 (decode batches, prefill) run a tensor-core
+matmul kernel; otherwise all rows of x (at most MAX_ROWS) go through one program per weight tile, so
+the weight is read once; wider inputs take the matmul expression instead. Registered
 as custom ops (``torchkiln::``), so torch.compile and CUDA graphs see one opaque call; the launch
 configuration is tuned per weight shape on first use, which ``warm()`` does before any graph is
 captured.
@@ -28,8 +29,9 @@ import importlib.util
 import torch
 
 MAX_ROWS = 4  # decode rows served by the GEMVs
-# int8 calls of more rows, up to this many (the LLM path's prefill widths), run the int8 matmul
-# kernel below; wider ones (and int4's Triton layout) dequantize inside the matmul expression
+# int8 calls of up to this many rows (decode batches from 2 rows in bf16/fp16, and the LLM path's
+# prefill widths) run the int8 matmul kernel below; wider ones (and int4's Triton layout) dequantize
+# inside the matmul expression
 WIDE_ROWS = 256
 # One-row calls: "auto" (int4: the 32-bit-word kernel; int8: the word kernel for weights of at
 # least WORDS_MIN values, the per-byte one below that), or "words" / "bytes" everywhere (for
@@ -93,6 +95,13 @@ def int8_fused(x: torch.Tensor, lin: torch.nn.Module, norm: torch.Tensor | None 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                 group: int) -> torch.Tensor:
     return torch.ops.torchkiln.int4_gemv(x, packed, scale, zero, group)
+
+
+def tinygemm_dense(packed: torch.Tensor, scale_zero: torch.Tensor, order: torch.Tensor, group: int) -> torch.Tensor:
+    """The dense weight [N, K] (scale_zero's dtype) of int4 weights in tinygemm's CUDA layout:
+    ``packed`` int32 [N/8, K/128, 32, 4], ``scale_zero`` [K/group, N, 2] and ``order`` (int32 [1024]:
+    which of a tile's nibbles holds value row * 128 + column; weight_only._tile_order)."""
+    return torch.ops.torchkiln.tinygemm_dense(packed, scale_zero, order, group)
 
 
 def warm(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -196,6 +205,9 @@ def _register() -> None:
 
     _int8_one = triton.autotune(configs=configs, key=["N", "K", "RMS", "GATED"])(_row)
 
+    # float32 x, 2-4 rows. (bf16/fp16 rows take the matmul kernel below from 2 rows: at 2 and 4 rows on
+    # the H200 it ran Llama-3-8B's q/k/v and gate/up 1.25-3.1x faster than this kernel, its down 0.83x
+    # at 2 rows and 1.2x at 4; benchmarks/diag_rows.py, RESULTS.md "int4 and int8 at batch > 1".)
     @triton.autotune(configs=configs, key=["N", "K", "ROWS"])
     @triton.jit
     def _int8_few(x_ptr, w_ptr, s_ptr, o_ptr, M, N, K, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -447,7 +459,7 @@ def _register() -> None:
                               RMS=False, GATED=False)
         elif m == 1:
             _int8_one[grid](x2, weight, scales, out, n, k, None, None, None, 0.0, INT8=True, RMS=False, GATED=False)
-        elif m > MAX_ROWS:
+        elif x.dtype != torch.float32:  # 2 to WIDE_ROWS rows
             mb = max(16, _pow2(m))
             _int8_mm[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))](
                 x2, weight, scales, out, m, n, k, mb)
@@ -513,3 +525,37 @@ def _register() -> None:
     @int4_gemv.register_fake
     def _(x, packed, scale, zero, group):
         return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+    # tinygemm's int4 tiles to a dense weight, for calls too wide for tinygemm (weight_only.py,
+    # TINYGEMM_ROWS). One program per 8 rows x 128 * TK columns: each value's nibble is read from
+    # its tile's words through the order table (the tile's 512 bytes stay in L1), scaled like
+    # tinygemm, ``(q - 8) * scale + zero``, and written in row-major order. On the H200 it reads and
+    # writes ~1.1 TB/s (Llama-3-8B's gate/up: 254 us), no faster than the same gather written as
+    # torch ops and compiled, but those ops run eagerly too (tk.quantize's models, eager prefill),
+    # where they materialised int32 copies: 512 us for q/k/v against 57 (benchmarks/diag_rows.py).
+    @triton.jit
+    def _tinygemm_dense(p_ptr, sz_ptr, ord_ptr, o_ptr, N, K, G: tl.constexpr, TK: tl.constexpr):
+        r = tl.arange(0, 8)
+        c = tl.arange(0, 128 * TK)
+        n = tl.program_id(0) * 8 + r
+        col = tl.program_id(1) * 128 * TK + c
+        slot = tl.load(ord_ptr + r[:, None] * 128 + (c % 128)[None, :])
+        tile = tl.program_id(0).to(tl.int64) * (K // 128) + col // 128  # the tile's index in packed
+        word = tl.load(p_ptr + tile[None, :] * 128 + slot // 8)
+        q = (word >> ((slot % 8) * 4)) & 0xF
+        at = ((col // G)[None, :] * N + n[:, None]).to(tl.int64) * 2
+        w = (q - 8).to(tl.float32) * tl.load(sz_ptr + at).to(tl.float32) + tl.load(sz_ptr + at + 1).to(tl.float32)
+        tl.store(o_ptr + n[:, None].to(tl.int64) * K + col[None, :], w.to(o_ptr.dtype.element_ty))
+
+    @torch.library.custom_op("torchkiln::tinygemm_dense", mutates_args=())
+    def tinygemm_dense(packed: torch.Tensor, scale_zero: torch.Tensor, order: torch.Tensor,
+                       group: int) -> torch.Tensor:
+        n, k = packed.shape[0] * 8, packed.shape[1] * 128
+        out = torch.empty(n, k, device=packed.device, dtype=scale_zero.dtype)
+        tk = next(t for t in (8, 4, 2, 1) if (k // 128) % t == 0)
+        _tinygemm_dense[(n // 8, k // (128 * tk))](packed, scale_zero, order, out, n, k, group, tk, num_warps=4)
+        return out
+
+    @tinygemm_dense.register_fake
+    def _(packed, scale_zero, order, group):
+        return scale_zero.new_empty(packed.shape[0] * 8, packed.shape[1] * 128)

@@ -9,7 +9,8 @@ kernel serves a call:
   decode), and through its tensor subclass the int4 kernel left the GPU idle 2-4 ms per token.
   CUDA int8 calls of up to gemv.WIDE_ROWS rows in bf16/fp16 (prefill) run gemv.py's int8 matmul.
 - int4 in bf16 on CUDA, and int8/int4 in bf16/fp16 on the CPU: torch's own weight-only kernels
-  (tinygemm, _weight_int8pack_mm), for every call.
+  (tinygemm, _weight_int8pack_mm), for every call except CUDA int4 calls of more than
+  TINYGEMM_ROWS rows, which dequantize tinygemm's tiles and run cuBLAS.
 - Otherwise (float32, wider CUDA calls, the int4 Triton layout's prefill) the weight is
   dequantized inside the matmul expression (gpt-fast's form).
 """
@@ -25,6 +26,12 @@ from .config import QuantConfig
 from .schemes import CPU_KERNEL_DTYPES
 
 TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multiple of 16 x this
+# CUDA calls of more rows than this dequantize tinygemm's layout to a dense weight for cuBLAS instead
+# (gemv.tinygemm_dense; a transient bf16 copy of the layer's weight). tinygemm's time grows by about
+# one pass over the weight per 8-16 rows; on the H200 at Llama-3-8B's q/k/v, gate/up and down shapes
+# it was 0.8-0.85x the dense form at 32 rows, 1.08-1.25x at 48, 1.6-5.9x at 64-256
+# (benchmarks/diag_rows.py; RESULTS.md, "int4 and int8 at batch > 1").
+TINYGEMM_ROWS = 40
 KERNEL_SCHEMES = ("int8-weight-only", "int4-weight-only")  # what backend "kernels" serves
 
 
@@ -50,6 +57,26 @@ def int4_grid(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.detach().float().view(n, k // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     return ((hi - lo) / 15).clamp_min(1e-8), lo
+
+
+_TILE_ORDER: dict = {}  # device -> which nibble of a tinygemm tile holds each of its 8 x 128 values
+
+
+def _tile_order(device: torch.device) -> torch.Tensor:
+    """For tinygemm's CUDA layout (inner K tiles 8: int32 [N/8, K/128, 32, 4], each 8 x 128 tile of
+    the weight in 128 consecutive words), the value index (row * 128 + column) that each of a
+    tile's 1024 nibbles holds. Read off torch's own packing of three probe tiles, each carrying 4
+    bits of every value's index, rather than restating its fragment layout here."""
+    if device not in _TILE_ORDER:
+        idx = torch.arange(1024, device=device).view(8, 128)
+        src = torch.zeros(1024, dtype=torch.int64, device=device)
+        for b in range(3):
+            q = ((idx >> (4 * b)) & 0xF).to(torch.uint8)
+            words = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4) | q[:, 1::2], TINYGEMM_TILES)
+            nib = (words.reshape(128, 1) >> torch.arange(0, 32, 4, device=device)) & 0xF
+            src |= nib.reshape(1024).long() << (4 * b)
+        _TILE_ORDER[device] = torch.argsort(src).int()  # value index -> the nibble that holds it
+    return _TILE_ORDER[device]
 
 
 class Int8Linear(nn.Module):
@@ -100,7 +127,9 @@ class Int4Linear(nn.Module):
 
     Two layouts. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
     kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
-    value of q = 8 (``zero + 8 * scale`` here), for every call. Otherwise two values per byte: in each group the low nibbles hold its first half of
+    value of q = 8 (``zero + 8 * scale`` here), for every call on the CPU and CUDA calls of up to
+    TINYGEMM_ROWS rows; wider CUDA calls dequantize the tiles for cuBLAS (gemv.tinygemm_dense).
+    Otherwise two values per byte: in each group the low nibbles hold its first half of
     columns, the high nibbles its second half (the layout the Triton GEMV reads; see gemv.py);
     elsewhere unpacked and scaled inside the matmul expression like Int8Linear. ``codes``:
     (uint8 codes [n, k], scale, lo) chosen elsewhere (GPTQ) on int4_grid's grid; by default the
@@ -124,6 +153,8 @@ class Int4Linear(nn.Module):
             if linear.weight.is_cuda:
                 pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form the CUDA packing takes
                 packed = torch.ops.aten._convert_weight_to_int4pack(pairs, TINYGEMM_TILES)
+                if gemv.wanted(linear.weight):  # wide calls dequantize through gemv.tinygemm_dense
+                    self.register_buffer("order", _tile_order(packed.device), persistent=False)
             else:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), TINYGEMM_TILES)
             self.register_buffer("packed", packed)
@@ -146,7 +177,9 @@ class Int4Linear(nn.Module):
                 and w.shape[1] % (16 * TINYGEMM_TILES) == 0 and group in (32, 64, 128, 256))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tinygemm:
+        if self.tinygemm and x.is_cuda and x.shape[:-1].numel() > TINYGEMM_ROWS and hasattr(self, "order"):
+            out = F.linear(x, gemv.tinygemm_dense(self.packed, self.scale_zero, self.order, self.group))
+        elif self.tinygemm:
             rows = x.reshape(-1, self.in_features).contiguous()
             mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
             out = mm(rows, self.packed, self.group, self.scale_zero)
