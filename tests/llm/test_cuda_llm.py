@@ -65,6 +65,21 @@ def test_weight_only_quant_on_cuda(quant, cos):
     assert out.shape == (1, 16)
 
 
+def test_int4_batched_decode_warns_and_stays_exact_to_int4_batch_one():
+    """max_batch_size at INT4_SLOW_ROWS warns that int4 decodes such batches slower than bf16 (and says
+    what serves them faster); the batch still decodes, each row as it decodes alone."""
+    from torchkiln.llm import api
+
+    model = build("llama", seed=6).cuda()
+    with pytest.warns(UserWarning, match=r"max_batch_size=8: .*quant='int8'"):
+        fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", max_seq_len=64,
+                               max_batch_size=api.INT4_SLOW_ROWS)
+    ids = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(7)).cuda()
+    out = fast.generate(ids, max_new_tokens=6, **GREEDY)
+    one = fast.generate(ids[3:4], max_new_tokens=6, **GREEDY)
+    assert out.shape == (8, 14) and int((out[3:4] != one).sum()) <= 1  # bf16 rounding may flip a near-tie
+
+
 def _dequantized(q) -> torch.Tensor:
     """The float weight of an Int8Linear/Int4Linear, written without its forward or the kernels."""
     from torchkiln.quantization.weight_only import Int8Linear

@@ -131,6 +131,12 @@ def _auto_dtype(model, device: torch.device) -> torch.dtype:
     return own
 
 
+# CUDA int4 decode of this many rows ran slower than bf16: tinygemm at Llama-3-8B's shapes was
+# 0.69-0.78x cuBLAS bf16 at 8 rows, 1.1-1.7x at 4 (benchmarks/diag_rows.py, RESULTS.md "int4 and int8 at
+# batch > 1"); optimize() warns when max_batch_size reaches it
+INT4_SLOW_ROWS = 8
+
+
 def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, device=None,
              compile: bool = True, calib_data=None):
     """A copy of ``model`` (a decoder-only Hugging Face causal LM) with a fast ``generate``.
@@ -171,6 +177,12 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
         return _stock(work, report, str(e), t0)
     work._kiln_calib = calib  # for a rebuild after .to()
     runner.reserve(max_batch_size, min(max_seq_len or 256, runner.decoder.spec.max_positions))
+    if quant == "int4" and target.type == "cuda" and max_batch_size >= INT4_SLOW_ROWS:
+        warn_once(f"llm-int4-batch:{max_batch_size}",
+                  f"torchkiln.llm: quant='int4' with max_batch_size={max_batch_size}: on CUDA, int4 decode "
+                  f"of {INT4_SLOW_ROWS} or more rows runs slower than bf16 (torch's int4 kernel makes about one "
+                  "pass over the weights per 8-16 rows; Llama-3-8B on an H200 at batch 16: 9.4 ms per step "
+                  "against bf16's 5.3 and int8's 4.5). quant='int8' serves batched decode faster", owner=work)
     work.kiln_report = report
     work._kiln_runner = runner
     work.generate = types.MethodType(_generate, work)
