@@ -132,7 +132,7 @@ def _auto_dtype(model, device: torch.device) -> torch.dtype:
 
 
 # CUDA int4 decode of this many rows ran slower than bf16: tinygemm at Llama-3-8B's shapes was
-# 0.69-0.78x cuBLAS bf16 at 8 rows, 1.1-1.7x at 4 (benchmarks/diag_rows.py, RESULTS.md "int4 and int8 at
+# 0.69-0.78x cuBLAS bf16 at 8 rows, 1.1-1.3x at 4 (benchmarks/diag_rows.py, RESULTS.md "int4 and int8 at
 # batch > 1"); optimize() warns when max_batch_size reaches it
 INT4_SLOW_ROWS = 8
 
