@@ -4,10 +4,11 @@ harness). Run on the GPU:
 
     python benchmarks/diag_rows.py [--rows 2,4,8,16,64,256] [--shapes qkv,gate_up,down]
 
-Peers: bf16 cuBLAS; int8 as served (gemv.int8_linear: the few-row GEMV up to gemv.MAX_ROWS rows,
-the int8 matmul kernel above) and the int8 matmul kernel at every width; int4 tinygemm; int4 in
-tinygemm's layout dequantized to bf16 then cuBLAS (gemv.tinygemm_dense); int4 as
-served (Int4Linear: tinygemm up to TINYGEMM_ROWS rows, the dequantized form above).
+Peers: bf16 cuBLAS; int8 as served (gemv.int8_linear: the one-row GEMV, the int8 matmul kernel from 2
+rows in bf16) and the int8 matmul kernel called directly; int4 tinygemm; int4 in tinygemm's layout
+dequantized to bf16 then cuBLAS (gemv.tinygemm_dense); int4 as served (Int4Linear: tinygemm up to
+TINYGEMM_ROWS rows, the dequantized form above); up to 16 rows, the candidate int4 kernel on
+tinygemm's tiles (int4_tiles.py, not served).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from int4_tiles import kernel as int4_tiles
 from llm_gemv import SHAPES, graph_of, time_graph
 
 from torchkiln.quantization import gemv
@@ -24,7 +26,7 @@ from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
 
 def int8_mm(x, w, s):
-    """The int8 matmul kernel whatever the rows (the op sends 2-4 rows to the few-row GEMV)."""
+    """The int8 matmul kernel called directly, whatever the rows and dtype."""
     import triton
 
     m, k = x.shape
@@ -42,6 +44,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device("cuda")
+
+    tiles = int4_tiles()
 
     def dense(x, m):
         return F.linear(x, gemv.tinygemm_dense(m.packed, m.scale_zero, m.order, 128))
@@ -75,6 +79,9 @@ def main() -> int:
                 "int4 served (Int4Linear)": (lambda x, m: m(x), [(x, m) for m in tg], w4f),
                 "int4 tinygemm dequantized + cuBLAS": (dense, [(x, m) for m in tg], w4f),
             }
+            if rows <= 16:
+                peers["int4 Triton on tinygemm's tiles"] = (lambda x, m: tiles(x, m.packed, m.scale_zero, 128),
+                                                             [(x, m) for m in tg], w4f)
             graphs = {}
             with torch.no_grad():
                 for p, (fn, a, ref) in peers.items():
