@@ -7,7 +7,8 @@ kernel serves a call:
   batch-1 inference) run the hand-written Triton GEMVs in gemv.py. torchao's Int8WeightOnlyConfig
   decoded Llama-3-8B at 136 tok/s on the H200 against 250 for these (benchmarks/RESULTS.md, LLM
   decode), and through its tensor subclass the int4 kernel left the GPU idle 2-4 ms per token.
-  CUDA int8 calls of up to gemv.WIDE_ROWS rows in bf16/fp16 (prefill) run gemv.py's int8 matmul.
+  CUDA int8 calls of 2 to gemv.WIDE_ROWS rows in bf16/fp16 (batched decode, prefill) run gemv.py's
+  int8 matmul instead.
 - int4 in bf16 on CUDA, and int8/int4 in bf16/fp16 on the CPU: torch's own weight-only kernels
   (tinygemm, _weight_int8pack_mm), for every call except CUDA int4 calls of more than
   TINYGEMM_ROWS rows, which dequantize tinygemm's tiles and run cuBLAS.
