@@ -10,11 +10,13 @@ dequantizes into tensor-core tiles (RESULTS.md, "One-row GEMVs on 32-bit words")
 (padded) 16-row MMA operand, each group's nibbles become bf16 ``128 + q`` with one OR into the
 bits of 128.0 (bf16 has 7 mantissa bits, so 128 + q is exact and no int-to-float conversion runs),
 and per group the float32 product is scaled once: ``s * (x . (128 + q)) + (zero - 128 s) * sum(x)``.
-A first run also had a variant converting the nibbles with int-to-float: 1.1-1.15x slower than the OR.
 "swap" puts the weight tile on the left of the product (see _int4_swap); "wide" dequantizes R groups
 to a bf16 tile and multiplies once per step, split along K for the shapes with few row tiles. None
 came within 1.4x of tinygemm on gate/up (RESULTS.md, "int4 on the tensor cores, in Triton"), so
-none is served; the script stays as the record of what was measured.
+none is served; the script stays as the record of what was measured. The measured runs also had
+"dot" (x on the left, the tile transposed on the right: the slowest, 1.9-4.6x tinygemm) and, in the
+first run, the nibbles converted with int-to-float (1.1-1.15x slower than the OR); both were dropped
+from the script afterwards, their figures are in RESULTS.md.
 """
 
 from __future__ import annotations
@@ -45,53 +47,13 @@ def kernel():
         groups = named_args["K"] // named_args["G"]
         return [c for c in configs if groups % c.kwargs["R"] == 0]
 
-    @triton.autotune(configs=configs, key=["N", "K", "MAGIC"], prune_configs_by={"early_config_prune": fits})
-    @triton.jit
-    def _int4_dot(x_ptr, p_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G: tl.constexpr, MAGIC: tl.constexpr,
-                  BLOCK_N: tl.constexpr, R: tl.constexpr):
-        BLOCK_M: tl.constexpr = 16
-        HALF: tl.constexpr = G // 2
-        groups = K // G
-        rm = tl.arange(0, BLOCK_M)
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rh = tl.arange(0, HALF)
-        keep_m = rm < M
-        keep_n = rn < N
-        p_ptrs = p_ptr + rn[:, None].to(tl.int64) * (K // 2) + rh[None, :]
-        x_ptrs = x_ptr + rm[:, None] * K + rh[None, :]
-        q_offs = rn.to(tl.int64) * groups
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, groups // R):
-            for r in tl.static_range(R):
-                p = tl.load(p_ptrs + r * HALF, mask=keep_n[:, None], other=0)
-                xl = tl.load(x_ptrs + r * G, mask=keep_m[:, None], other=0.0)
-                xh = tl.load(x_ptrs + r * G + HALF, mask=keep_m[:, None], other=0.0)
-                if MAGIC:
-                    lo = ((p & 0xF).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    hi = ((p >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    off = 128.0
-                else:
-                    lo = (p & 0xF).to(tl.bfloat16)
-                    hi = (p >> 4).to(tl.bfloat16)
-                    off = 0.0
-                d = tl.dot(xl, tl.trans(lo))
-                d = tl.dot(xh, tl.trans(hi), d)
-                xs = tl.sum(xl.to(tl.float32), axis=1) + tl.sum(xh.to(tl.float32), axis=1)
-                s = tl.load(s_ptr + q_offs + i * R + r, mask=keep_n, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + q_offs + i * R + r, mask=keep_n, other=0.0).to(tl.float32)
-                acc += d * s[None, :] + xs[:, None] * (z - off * s)[None, :]
-            p_ptrs += R * HALF
-            x_ptrs += R * G
-        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-                 mask=keep_m[:, None] & keep_n[None, :])
-
     # The weight tile as the MMA's left operand (BLOCK_N output rows x a half group) and x^T as the
     # right one (16 columns): on the H200 the left operand of a wgmma may come from registers, so
     # the dequantized tile need not pass through shared memory.
-    @triton.autotune(configs=configs, key=["N", "K", "MAGIC"], prune_configs_by={"early_config_prune": fits})
+    @triton.autotune(configs=configs, key=["N", "K"], prune_configs_by={"early_config_prune": fits})
     @triton.jit
-    def _int4_swap(x_ptr, p_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G: tl.constexpr, MAGIC: tl.constexpr,
-                   BLOCK_N: tl.constexpr, R: tl.constexpr):
+    def _int4_swap(x_ptr, p_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   R: tl.constexpr):
         BLOCK_M: tl.constexpr = 16
         HALF: tl.constexpr = G // 2
         groups = K // G
@@ -109,20 +71,14 @@ def kernel():
                 p = tl.load(p_ptrs + r * HALF, mask=keep_n[:, None], other=0)
                 xl = tl.load(x_ptrs + r * G, mask=keep_m[None, :], other=0.0)
                 xh = tl.load(x_ptrs + r * G + HALF, mask=keep_m[None, :], other=0.0)
-                if MAGIC:
-                    lo = ((p & 0xF).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    hi = ((p >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-                    off = 128.0
-                else:
-                    lo = (p & 0xF).to(tl.bfloat16)
-                    hi = (p >> 4).to(tl.bfloat16)
-                    off = 0.0
+                lo = ((p & 0xF).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)  # 128 + q
+                hi = ((p >> 4).to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
                 d = tl.dot(lo, xl)
                 d = tl.dot(hi, xh, d)
                 xs = tl.sum(xl.to(tl.float32), axis=0) + tl.sum(xh.to(tl.float32), axis=0)
                 s = tl.load(s_ptr + q_offs + i * R + r, mask=keep_n, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + q_offs + i * R + r, mask=keep_n, other=0.0).to(tl.float32)
-                acc += d * s[:, None] + (z - off * s)[:, None] * xs[None, :]
+                acc += d * s[:, None] + (z - 128.0 * s)[:, None] * xs[None, :]
             p_ptrs += R * HALF
             x_ptrs += R * G
         tl.store(o_ptr + rm[None, :] * N + rn[:, None], acc.to(o_ptr.dtype.element_ty),
@@ -185,12 +141,11 @@ def kernel():
         else:
             tl.atomic_add(o_ptr + rm[None, :] * N + rn[:, None], acc, mask=keep_m[None, :] & keep_n[:, None])
 
-    def call(x, packed, scale, zero, magic, swap=False):
+    def call(x, packed, scale, zero):
         m, k = x.shape
         n = packed.shape[0]
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        (_int4_swap if swap else _int4_dot)[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-            x, packed, scale, zero, out, m, n, k, 128, MAGIC=magic)
+        _int4_swap[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, packed, scale, zero, out, m, n, k, 128)
         return out
 
     def wide(x, packed, scale, zero):
@@ -201,7 +156,7 @@ def kernel():
             x, packed, scale, zero, out, m, n, k, 128)
         return out.to(x.dtype)
 
-    return {"dot": _int4_dot, "swap": _int4_swap, "wide": _int4_wide}, call, wide
+    return {"swap": _int4_swap, "wide": _int4_wide}, call, wide
 
 
 def main() -> int:
@@ -210,7 +165,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    kern, dot, wide = kernel()
+    kern, swap, wide = kernel()
     print("| shape | rows | peer | us/call | x bf16 | x tinygemm | weight GB/s | tuned config |")
     print("|---|---|---|---|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -227,9 +182,7 @@ def main() -> int:
                 "int4 served Triton": (lambda x, p, s, z: gemv.int4_linear(x, p, s, z, 128),
                                        [(x, p, q4.scale, q4.zero) for p in p4], b4),
                 "int4 tinygemm": (lambda x, m: m(x), [(x, m) for m in tg], b4),
-                "int4 dot, OR": (lambda x, p, s, z: dot(x, p, s, z, True), [(x, p, q4.scale, q4.zero) for p in p4], b4),
-                "int4 swap, OR": (lambda x, p, s, z: dot(x, p, s, z, True, True),
-                                  [(x, p, q4.scale, q4.zero) for p in p4], b4),
+                "int4 swap, OR": (swap, [(x, p, q4.scale, q4.zero) for p in p4], b4),
                 "int4 wide, bf16 tile": (wide, [(x, p, q4.scale, q4.zero) for p in p4], b4),
             }
             # the reference, computed another way: the weights dequantized in float32

@@ -5,7 +5,7 @@ harness). Run on the GPU:
     python benchmarks/diag_rows.py [--rows 2,4,8,16,64,256] [--shapes qkv,gate_up,down]
 
 Peers: bf16 cuBLAS; int8 as served (gemv.int8_linear: the one-row GEMV, the int8 matmul kernel from 2
-rows in bf16) and the int8 matmul kernel called directly; int4 tinygemm; int4 in tinygemm's layout
+rows in bf16); int4 tinygemm; int4 in tinygemm's layout
 dequantized to bf16 then cuBLAS (gemv.tinygemm_dense); int4 as served (Int4Linear: tinygemm up to
 TINYGEMM_ROWS rows, the dequantized form above); up to 16 rows, the candidate int4 kernel on
 tinygemm's tiles (int4_tiles.py, not served).
@@ -23,18 +23,6 @@ from llm_gemv import SHAPES, graph_of, time_graph
 
 from torchkiln.quantization import gemv
 from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
-
-
-def int8_mm(x, w, s):
-    """The int8 matmul kernel called directly, whatever the rows and dtype."""
-    import triton
-
-    m, k = x.shape
-    n = w.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))  # noqa: E731
-    gemv.KERNELS["int8_mm"][grid](x, w, s, out, m, n, k, max(16, gemv._pow2(m)))
-    return out
 
 
 def main() -> int:
@@ -73,7 +61,6 @@ def main() -> int:
             peers = {
                 "bf16 F.linear": (F.linear, [(x, w) for w in w16], lin.weight.float()),
                 "int8 served": (gemv.int8_linear, [(x, w, q8.scales) for w in w8], w8f),
-                "int8 mm": (int8_mm, [(x, w, q8.scales) for w in w8], w8f),
                 "int4 tinygemm": (lambda x, m: torch.ops.aten._weight_int4pack_mm(x, m.packed, 128, m.scale_zero),
                                   [(x, m) for m in tg], w4f),
                 "int4 served (Int4Linear)": (lambda x, m: m(x), [(x, m) for m in tg], w4f),

@@ -459,7 +459,7 @@ def _register() -> None:
                               RMS=False, GATED=False)
         elif m == 1:
             _int8_one[grid](x2, weight, scales, out, n, k, None, None, None, 0.0, INT8=True, RMS=False, GATED=False)
-        elif x.dtype != torch.float32:  # 2 to WIDE_ROWS rows
+        elif x.dtype != torch.float32 or m > MAX_ROWS:  # (Int8Linear sends float32 only up to MAX_ROWS)
             mb = max(16, _pow2(m))
             _int8_mm[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]))](
                 x2, weight, scales, out, m, n, k, mb)
