@@ -77,9 +77,14 @@ def kernel():
                                 mask=keep_n[:, None], other=0)
                 q = tl.reshape((words[:, :, None] >> shift[None, None, :]) & 0xF, (BLOCK_N, 128))
                 c = kt * 128 + col
-                at = ((c // G)[None, :] * N + rn[:, None]).to(tl.int64) * 2
-                s = tl.load(sz_ptr + at, mask=keep_n[:, None], other=0.0).to(tl.float32)
-                z = tl.load(sz_ptr + at + 1, mask=keep_n[:, None], other=0.0).to(tl.float32)
+                if G % 128 == 0:  # one group per row of the tile: a scale and zero per row, not per code
+                    at = ((kt * 128 // G) * N + rn).to(tl.int64) * 2
+                    s = tl.load(sz_ptr + at, mask=keep_n, other=0.0).to(tl.float32)[:, None]
+                    z = tl.load(sz_ptr + at + 1, mask=keep_n, other=0.0).to(tl.float32)[:, None]
+                else:
+                    at = ((c // G)[None, :] * N + rn[:, None]).to(tl.int64) * 2
+                    s = tl.load(sz_ptr + at, mask=keep_n[:, None], other=0.0).to(tl.float32)
+                    z = tl.load(sz_ptr + at + 1, mask=keep_n[:, None], other=0.0).to(tl.float32)
                 xt = tl.load(x_ptr + rm[None, :] * K + c[:, None], mask=keep_m[None, :], other=0.0)  # x^T
                 acc = tl.dot(((q - 8).to(tl.float32) * s + z).to(xt.dtype), xt, acc)
         ptrs = o_ptr + rm[None, :] * N + rn[:, None]
@@ -91,7 +96,8 @@ def kernel():
     configs = [triton.Config({"BLOCK_N": n, "R": r, "SPLIT": sp}, num_warps=w, num_stages=st)
                for n, r, sp, w, st in ((64, 1, 1, 4, 4), (64, 2, 1, 4, 3), (128, 1, 1, 4, 4), (128, 2, 1, 8, 3),
                                        (64, 1, 2, 4, 4), (64, 1, 4, 4, 4), (64, 2, 4, 4, 3), (128, 1, 4, 8, 4),
-                                       (32, 1, 4, 4, 4), (32, 2, 1, 4, 4), (16, 1, 4, 4, 4))]
+                                       (32, 1, 4, 4, 4), (32, 2, 1, 4, 4), (16, 1, 4, 4, 4), (128, 4, 1, 8, 3),
+                                       (256, 2, 1, 8, 3), (64, 4, 2, 4, 3))]
 
     def fits(configs, named_args, **kw):
         tiles_k = named_args["K"] // 128

@@ -36,7 +36,9 @@ class Recipe:
     compile: bool = True
     compile_options: tuple[tuple[str, object], ...] = ()  # inductor config overrides
     static_shapes: bool = False  # one compiled graph per input shape (torch.compile dynamic=False)
-    # CPU: also time a TorchScript trace run by oneDNN Graph's fuser (passes/onednn_graph.py)
+    # CPU: also time a TorchScript trace served by oneDNN: through oneDNN Graph's fuser
+    # (passes/onednn_graph.py); for a pt2e int8 conv graph, through torch's oneDNN quantized
+    # modules (quantization/onednn_int8.py)
     onednn_graph: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)  # why each choice was made
 
@@ -110,6 +112,7 @@ class Recipe:
         else:
             lines.append("  compile      off")
         if self.onednn_graph:
-            lines.append("  onednn graph timed as a candidate (TorchScript trace per input shape)")
+            how = "oneDNN quantized modules" if self.pass_config("quantize") else "oneDNN Graph's fuser"
+            lines.append(f"  torchscript  timed as a candidate, through {how} (a trace per input shape)")
         lines += [f"  why: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -55,7 +55,8 @@ class Report:
     def __str__(self) -> str:
         r = self.recipe
         lines = [f"torchkiln report: {r['device']} {r['level']} {r['dtype']} -> serving: {self.active}"
-                 + (f" ({self.dtype_served})" if self.dtype_served else "")]
+                 + (f" ({self.dtype_served})" if self.dtype_served and f"({self.dtype_served})" not in self.active
+                    else "")]
         if self.speedup:
             lines.append("  speedup    " + ", ".join(f"{v:.2f}x {k.replace('_', ' ')}" for k, v in self.speedup.items()))
         lines.append(f"  applied    {', '.join(self.applied) or '-'}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchkiln as tk
+from torchkiln.quantization import onednn_int8
 
 pytest.importorskip("sklearn.datasets")
 import needs  # noqa: E402
@@ -29,7 +30,10 @@ def test_int8_static_cnn_within_one_point_of_fp32():
                              time_budget=0.5)
     acc_ref = accuracy(ref, test)
     assert acc_ref > 0.9  # the reference learnt the task
-    for model in (q, served):
+    models = [q, served]
+    if onednn_int8.available():  # the same int8 model through torch's oneDNN quantized modules
+        models.append(onednn_int8.OneDNNInt8(q))
+    for model in models:
         with torch.no_grad():
             acc = float((model(test[0]).argmax(-1) == test[1]).float().mean())
         assert acc >= acc_ref - 0.01, (acc, acc_ref)

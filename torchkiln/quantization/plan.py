@@ -15,6 +15,7 @@ import torch
 
 from ..passes import registry
 from ..recipe import Recipe
+from . import onednn_int8
 from .api import QuantInfo
 
 
@@ -42,6 +43,11 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
         # "expected size 16==16, stride 1==64"); with sizes fixed per shape it runs. Linears only
         # (bert int8 at four (batch, seq) shapes) compile symbolically without error.
         notes.append("int8 convs: one compiled graph per input shape (inductor's symbolic-shape int8 conv asserts)")
+    # int8 convs: torch's eager oneDNN quantized modules in a frozen trace, timed against the compiled
+    # graph (onednn_int8.py says why: resnet50 bs1 1.15-1.25x on a 2-core Zen 4)
+    int8_ops = static and onednn_int8.available()
+    if int8_ops:
+        notes.append("int8 convs: torch's oneDNN quantized modules (TorchScript) timed as a candidate")
     attention = "sdpa"
     if cpu and qi.backend == "pt2e" and bf16_native:
         # The int8 graph's attention runs in float32 (the quantizer leaves it), torch's flash kernel:
@@ -53,7 +59,7 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
         notes.append("attention: the math form in bf16 where measured faster (native bf16 CPU)")
     return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=(quant,),
                   attention=attention, compile=level != "O0", compile_options=options, static_shapes=static,
-                  notes=tuple(notes))
+                  onednn_graph=int8_ops, notes=tuple(notes))
 
 
 def has_conv(model) -> bool:

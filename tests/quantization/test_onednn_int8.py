@@ -1,0 +1,149 @@
+"""int8 CNNs through torch's eager oneDNN quantized modules (quantization/onednn_int8.py): the
+lowering keeps every int8 conv pattern and the pt2e graph's numbers, the quantized engine is put
+back, graphs it cannot lower say why, and optimize() times it as a candidate."""
+
+import threading
+import warnings
+
+import needs  # noqa: E402
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+from torchkiln.quantization import onednn_int8
+from torchkiln.quantization.onednn_int8 import OneDNNInt8, Unsupported
+
+pytestmark = [needs.pt2e, pytest.mark.skipif(not onednn_int8.available(), reason="no oneDNN quantized engine")]
+
+
+class Net(nn.Module):
+    """Every pattern: conv + relu, conv + add + relu (an identity branch; a downsampling branch
+    whose conv comes before the main path in graph order), a plain conv into an add, max and
+    average pooling on int8, and a float linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.a1, self.a2 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 1)
+        self.b1, self.b2 = nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.Conv2d(32, 32, 1)
+        self.down = nn.Conv2d(16, 32, 1, stride=2)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = torch.relu(self.a2(torch.relu(self.a1(x))) + x)
+        identity = self.down(x)  # before the main path, as torchvision's ResNet is traced
+        x = nn.functional.relu(self.b2(torch.relu(self.b1(x))) + identity, inplace=True)  # as ResNets do: the quantizer then quantizes the add (with torch.relu it leaves it float)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def quantized(model=None, shape=(2, 3, 32, 32)):
+    torch.manual_seed(0)
+    model = (model or Net()).eval()
+    calib = [torch.randn(*shape) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, tk.quantize(model, "int8-static", calib_data=calib, progress=False), calib
+
+
+def test_lowers_every_conv_pattern_and_keeps_the_pt2e_numbers():
+    model, q, calib = quantized()
+    served = OneDNNInt8(q)
+    kinds = sorted(type(m).__name__ for n, m in served.lowered.named_children() if n.startswith("qconv_"))
+    # b2's output is quantized and the downsampling conv adds it (ConvAddReLU2d), as in ResNets
+    assert kinds == ["Conv2d", "ConvAddReLU2d", "ConvAddReLU2d"] + ["ConvReLU2d"] * 3
+    code = served.lowered.code
+    assert "max_pool2d" in code and "adaptive_avg_pool2d" in code and "linear" in code
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref, fake, got = model(x), q(x), served(x)
+    # The pt2e graph computes in float on dequantized values (fake quantization); the int8 kernels
+    # accumulate in int32 and requantize, so they may differ by a rounding step here and there.
+    # Each is one quantization error e away from fp32; allowed: 2e from the pt2e graph.
+    e = float((fake - ref).norm() / ref.norm())
+    assert 0 < e < 0.1
+    assert float((got - fake).norm() / fake.norm()) < 2 * e
+    assert float((got - ref).norm() / ref.norm()) < 2 * e
+    assert torch.equal(got.argmax(-1), fake.argmax(-1))
+
+
+def test_one_trace_per_shape_and_the_quantized_model_past_the_cap():
+    _, q, _ = quantized()
+    served = OneDNNInt8(q, max_signatures=1)
+    a, b = torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        ya, yb = served(a), served(b)
+        assert torch.allclose(yb, q(b))  # past the cap: the pt2e graph itself
+        assert float((ya - q(a)).norm() / q(a).norm()) < 0.1
+    assert len(served.traces) == 1
+
+
+def _other_engine() -> str:
+    return next(e for e in ("x86", "fbgemm", "qnnpack") if e in torch.backends.quantized.supported_engines)
+
+
+def test_engine_is_onednn_inside_and_put_back_after_calls_and_errors():
+    _, q, _ = quantized()
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = _other_engine()
+        served = OneDNNInt8(q)
+        assert torch.backends.quantized.engine == _other_engine()  # packing did not leave it changed
+        with torch.no_grad():
+            served(torch.randn(2, 3, 32, 32))
+        assert torch.backends.quantized.engine == _other_engine()
+        with pytest.raises((AssertionError, RuntimeError)), torch.no_grad():
+            served(torch.randn(2, 5, 32, 32))  # wrong channel count: export's guard fails inside the scope
+        assert torch.backends.quantized.engine == _other_engine()
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def test_engine_scope_is_shared_by_threads_and_restored_by_the_last():
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = _other_engine()
+        inside, go, seen = threading.Event(), threading.Event(), []
+
+        def first():
+            with onednn_int8.onednn_engine():
+                inside.set()
+                go.wait(10)
+                seen.append(torch.backends.quantized.engine)  # the other thread left meanwhile
+
+        t = threading.Thread(target=first)
+        t.start()
+        inside.wait(10)
+        with onednn_int8.onednn_engine():
+            assert torch.backends.quantized.engine == "onednn"
+        go.set()
+        t.join(10)
+        assert seen == ["onednn"]
+        assert torch.backends.quantized.engine == _other_engine()
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def test_a_graph_without_convolutions_is_refused_with_the_reason():
+    mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    _, q, _ = quantized(mlp, shape=(4, 16))
+    with pytest.raises(Unsupported, match="no int8 convolution"):
+        OneDNNInt8(q)
+    with pytest.raises(Unsupported, match="not a pt2e-quantized model"):
+        OneDNNInt8(mlp)
+
+
+def test_optimize_times_it_and_serves_only_a_verified_candidate():
+    model, q, calib = quantized()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = tk.optimize(model, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.5)
+    rep = tk.report(fast)
+    row = next(m for m in rep.candidates if m.name.startswith("torchkiln oneDNN int8 modules"))
+    assert row.status in ("passed", "served"), (row.status, row.reason)
+    assert rep.recipe["onednn_graph"] and "oneDNN quantized modules" in str(rep)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref, got = model(x), fast(x)
+    assert float((got - ref).norm() / ref.norm()) < 0.1
