@@ -1,6 +1,8 @@
 """A candidate int4 kernel for 5-40 rows (batched decode) that reads tinygemm's CUDA layout as it is, so
-Int4Linear could serve those rows without a second copy of its weights. Not served, not yet timed:
-`benchmarks/diag_rows.py` times it on the GPU as the peer "int4 Triton on tinygemm's tiles".
+Int4Linear could serve those rows without a second copy of its weights. Not served: `benchmarks/diag_rows.py`
+times it on the GPU as the peer "int4 Triton on tinygemm's tiles", and on the H200 it read the weights at
+0.4-0.5 TB/s whatever the rows (gate_up 111-115 us at 4-16 rows against tinygemm's 48 / 80 / 135 and
+bf16's 58; RESULTS.md, twenty-fourth session), so it beat tinygemm only at 16 rows and never bf16.
 
 Why: tinygemm makes about one pass over the weight per 8-16 rows (Llama-3-8B on the H200 at batch
 16 decoded at 9.49 ms per step against bf16's 5.17), and the dense form Int4Linear takes above 40 rows

@@ -20,7 +20,7 @@ pytestmark = [needs.pt2e, pytest.mark.skipif(not onednn_int8.available(), reason
 class Net(nn.Module):
     """Every pattern: conv + relu, conv + add + relu (an identity branch; a downsampling branch
     whose conv comes before the main path in graph order), a plain conv into an add, max and
-    average pooling on int8, and a float linear head."""
+    average pooling on int8, and a linear head whose output stays float."""
 
     def __init__(self):
         super().__init__()
@@ -54,7 +54,9 @@ def test_lowers_every_conv_pattern_and_keeps_the_pt2e_numbers():
     # b2's output is quantized and the downsampling conv adds it (ConvAddReLU2d), as in ResNets
     assert kinds == ["Conv2d", "ConvAddReLU2d", "ConvAddReLU2d"] + ["ConvReLU2d"] * 3
     code = served.lowered.code
-    assert "max_pool2d" in code and "adaptive_avg_pool2d" in code and "linear" in code
+    assert "max_pool2d" in code and "adaptive_avg_pool2d" in code and "dequantize" in code
+    heads = [m for m in served.lowered.modules() if isinstance(m, onednn_int8.DynamicLinear)]
+    assert len(heads) == 1 and "aten.linear" not in code  # the float-output head: int8 weights too
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref, fake, got = model(x), q(x), served(x)

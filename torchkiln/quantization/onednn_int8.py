@@ -183,7 +183,7 @@ class _Lowering:
                 out = self.graph.call_function(torch.quantize_per_tensor, (self.float_of(self.env[node.args[0]]),
                                                                           s, zp, torch.quint8))
                 self.env[node] = ("q", out, s, zp)
-            elif not (self.dequantize(node) or self.same_scale(node)):
+            elif not (self.dequantize(node) or self.same_scale(node) or self.linear(node)):
                 self.copy(node)
         if not self.lowered:
             raise Unsupported("no int8 convolution in this graph matched the quantized-module patterns")
@@ -282,6 +282,22 @@ class _Lowering:
         self.env[end] = ("q", self.graph.call_module(name, ins), s, zp)
         return True
 
+    def linear(self, node: fx.Node) -> bool:
+        """A linear on a quantized input with an int8 weight whose output stays float: DynamicLinear."""
+        if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
+            return False
+        x, w, bias = (list(node.args) + [None])[:3]
+        if any(u.target is _ops()[0] for u in node.users):  # a quantized output: not this pattern
+            return False
+        src = self.quantized_input(x)
+        weight = self.weight(w)
+        if src is None or weight is None or (bias is not None and self.const(bias) is None):
+            return False
+        name = f"qlinear_{len(self.attrs)}"
+        self.attrs[name] = DynamicLinear(weight, None if bias is None else self.const(bias).detach().float())
+        self.env[node] = ("f", self.graph.call_module(name, (self.float_of(self.env[x]),)))
+        return True
+
     def weight(self, node) -> torch.Tensor | None:
         """A per-channel symmetric int8 weight (a constant dequantize_per_channel over axis 0) as a
         quantized tensor, the form torch's quantized conv modules pack."""
@@ -295,6 +311,23 @@ class _Lowering:
         if bool(zps.any()):  # oneDNN's int8 weights are symmetric
             return None
         return torch._make_per_channel_quantized_tensor(codes, scales.double(), zps.long(), 0)
+
+
+class DynamicLinear(nn.Module):
+    """A linear whose output the pt2e graph leaves in float (a classifier head): int8 weights, the
+    input re-quantized per call over its own range (``quantized::linear_dynamic``). Its input is
+    already on the calibrated uint8 grid, so its own range is no wider and the step no coarser.
+    Why: in float it read resnet50's 8 MB fc weight on every call, 0.35 ms of 5.8 (torch.profiler)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        from torch.ao.nn.quantized.modules.linear import LinearPackedParams
+
+        self.params = LinearPackedParams(dtype=torch.qint8)
+        self.params.set_weight_bias(weight, bias)
+
+    def forward(self, x):
+        return torch.ops.quantized.linear_dynamic(x, self.params._packed_params, False)
 
 
 def lower(gm: fx.GraphModule) -> fx.GraphModule:
