@@ -32,7 +32,6 @@ from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model
 from .passes import registry
 from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
-from .quantization.onednn_int8 import OneDNNInt8
 from .recipe import Recipe
 from .report import Fallback
 from .runner import Runner, build_fast
@@ -150,9 +149,11 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
             opts = {**base, "triton.cudagraphs": graphs} if rec.device.startswith("cuda") else base
             out.append(_compiled(build, opts, tag, tier, graphs))
     if rec.onednn_graph and rec.device == "cpu" and not build.inplace and scheme is not None:
-        out.append(Candidate(f"torchkiln oneDNN int8 modules ({tag})", "torchkiln", tag,
-                             lambda: build.call(OneDNNInt8(build.original), False), tier, False, build.applied,
-                             graph_passes=False))
+        def int8_modules():  # imported here: the quantization package stays out of float models' imports
+            from .quantization.onednn_int8 import OneDNNInt8
+            return build.call(OneDNNInt8(build.original), False)
+        out.append(Candidate(f"torchkiln oneDNN int8 modules ({tag})", "torchkiln", tag, int8_modules, tier, False,
+                             build.applied, graph_passes=False))
     elif rec.onednn_graph and rec.device == "cpu" and not build.inplace:
         # oneDNN Graph does its own GEMM fusion, and our prepacked linear does not trace
         # (its op takes an optional-scalar list TorchScript rejects): a build without it.

@@ -129,7 +129,8 @@ class _Lowering:
     def qparams(self, node) -> tuple[float, int] | None:
         """(scale, zero point) of a uint8 quantize/dequantize node with literal parameters."""
         q, dq, _ = _ops()
-        if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in (q, dq)):
+        if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in (q, dq)
+                and len(node.args) >= 6):
             return None
         _, scale, zp, lo, hi, dtype = node.args[:6]
         if isinstance(scale, float) and isinstance(zp, int) and (lo, hi, dtype) == (0, 255, torch.uint8):
