@@ -52,7 +52,7 @@ from .modelutil import (
     parse_dtype,
     training_module,
 )
-from .plan import INTEL_ONLY, KNOBS, plan
+from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine
 from .progress import ticks
 from .recipe import Recipe
@@ -715,7 +715,12 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         if compute != torch.float32:
             warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
                       "it is served at the precision it was quantized in (cast the model before tk.quantize)")
-        recipe = plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model))
+        recipe = serving_knobs(plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model)),
+                               knobs)
+        unused = sorted(k for k, v in knobs.items() if v is not None and k not in SERVING_KNOBS + INTEL_ONLY)
+        if unused:
+            warn_once(f"quant-knobs:{unused}", f"torchkiln: {', '.join(unused)} ignored for a quantized model: its "
+                      f"graph has no modules to transform; {', '.join(SERVING_KNOBS)} apply")
     else:
         recipe = plan(model, hw, str(target), compute, level, knobs,
                       batch=inputs.batch_size(sample) if sample else None)

@@ -149,3 +149,22 @@ def test_optimize_times_it_and_serves_only_a_verified_candidate():
     with torch.no_grad():
         ref, got = model(x), fast(x)
     assert float((got - ref).norm() / ref.norm()) < 0.1
+
+
+def test_onednn_graph_false_turns_it_off_and_a_saved_model_gets_it_back(tmp_path):
+    """The serving knobs reach a quantized model's recipe (they were ignored before: compile_options too)."""
+    model, q, calib = quantized()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        off = tk.optimize(model, quantize="int8-static", calib_data=calib, sample_input=calib[0], time_budget=0.3,
+                          onednn_graph=False, compile_options={"cpp_wrapper": False})
+        tk.quantization.save(q, tmp_path / "q.pt", float_model=model)
+        loaded = tk.quantization.load(model, tmp_path / "q.pt")
+        on = tk.optimize(loaded, sample_input=calib[0], time_budget=0.3)
+    with pytest.warns(UserWarning, match="conv_bn_folding ignored for a quantized model"):
+        tk.optimize(loaded, sample_input=calib[0], time_budget=0.1, conv_bn_folding=True, onednn_graph=False)
+    assert not off.kiln_report.recipe["onednn_graph"]
+    assert not any("oneDNN int8 modules" in m.name for m in off.kiln_report.candidates)
+    assert off.kiln_report.recipe["compile_options"]["cpp_wrapper"] is False  # the plan sets True for pt2e CPU graphs
+    row = next(m for m in on.kiln_report.candidates if m.name.startswith("torchkiln oneDNN int8 modules"))
+    assert row.status in ("passed", "served"), (row.status, row.reason)

@@ -64,6 +64,20 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
     return _apply_knobs(recipe, knobs)
 
 
+# The knobs that still mean something for a tk.quantize'd model: its recipe has no module passes to
+# switch, but it is compiled (graph_mode, compile_options) and may time a TorchScript candidate.
+SERVING_KNOBS = ("graph_mode", "compile_options", "onednn_graph")
+
+
+def serving_knobs(recipe: Recipe, knobs: dict) -> Recipe:
+    """A quantized model's recipe with the serving knobs applied; ``onednn_graph=True`` cannot add the
+    int8 modules candidate where the plan found no int8 convolution to lower, so it only keeps the plan's."""
+    chosen = {k: knobs[k] for k in SERVING_KNOBS if knobs.get(k) is not None}
+    if chosen.get("onednn_graph"):
+        chosen.pop("onednn_graph")
+    return _apply_knobs(recipe, chosen)
+
+
 def _apply_knobs(recipe: Recipe, knobs: dict) -> Recipe:
     passes = {p.name: p for p in recipe.passes}
     notes = list(recipe.notes)
