@@ -1,6 +1,6 @@
 """Quantization: torchkiln against the stock flows, interleaved in one process.
 
-    python benchmarks/quantization.py --part cpu        # resnet50 / bert-base bs1 int8-static
+    python benchmarks/quantization.py --part cpu        # resnet50 / bert-base / mobilenet-v2 bs1 int8-static
     python benchmarks/quantization.py --part minilm     # CPU: real MiniLM bs16, int8-dynamic vs fp32 torchkiln
     python benchmarks/quantization.py --part linear     # CUDA: weight-only int8/int4 linears, GB/s
     python benchmarks/quantization.py --part stack      # CUDA: a bs1 MLP stack through tk.optimize
@@ -55,14 +55,53 @@ def time_all(fns, args, budget, device):
     return {n: statistics.median(v) * 1e3 for n, v in t.items()}
 
 
+def mobilenet_v2() -> torch.nn.Module:
+    """torchvision's MobileNetV2 layout (inverted residuals, depthwise convs, ReLU6), written here (torchvision
+    does not import with the CPU torch on the dev machines). Random weights; batch-norm statistics from random
+    batches, so activations neither vanish nor explode through 52 layers (with fresh statistics the output
+    did not depend on the input: int8 matched fp32 to 5e-7)."""
+    from torch import nn
+
+    def conv(i, o, k=1, s=1, groups=1, act=True):
+        layers = [nn.Conv2d(i, o, k, s, k // 2, groups=groups, bias=False), nn.BatchNorm2d(o)]
+        return layers + [nn.ReLU6(inplace=True)] if act else layers
+
+    class Inverted(nn.Module):
+        def __init__(self, i, o, s, t):
+            super().__init__()
+            h = i * t
+            self.body = nn.Sequential(*(conv(i, h) if t != 1 else []), *conv(h, h, 3, s, groups=h), *conv(h, o, act=False))
+            self.residual = s == 1 and i == o
+
+        def forward(self, x):
+            return x + self.body(x) if self.residual else self.body(x)
+
+    blocks, c = [], 32
+    for t, o, n, s in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                       (6, 320, 1, 1)):
+        for j in range(n):
+            blocks.append(Inverted(c, o, s if j == 0 else 1, t))
+            c = o
+    torch.manual_seed(0)
+    model = nn.Sequential(*conv(3, 32, 3, 2), *blocks, *conv(320, 1280), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(1280, 1000))
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(8, 3, 224, 224))
+    return model.eval()
+
+
 def cpu_part(budget):
     rows = []
-    for name, batch in (("resnet50", 1), ("bert-base", 1)):
-        model, sample = tk.zoo.load(name, batch=batch) if hasattr(tk, "zoo") else __import__(
-            "torchkiln.zoo", fromlist=["load"]).load(name, batch=batch)
+    for name, batch in (("resnet50", 1), ("bert-base", 1), ("mobilenet-v2", 1)):
+        if name == "mobilenet-v2":
+            model, sample = mobilenet_v2(), torch.randn(1, 3, 224, 224)
+        else:
+            model, sample = tk.zoo.load(name, batch=batch) if hasattr(tk, "zoo") else __import__(
+                "torchkiln.zoo", fromlist=["load"]).load(name, batch=batch)
         args = args_of(sample)
         g = torch.Generator().manual_seed(1)
-        if name == "resnet50":
+        if name in ("resnet50", "mobilenet-v2"):
             calib = [((torch.randn(1, 3, 224, 224, generator=g),), {}) for _ in range(4)]
         else:
             calib = [((), {"input_ids": torch.randint(0, 30522, (1, 128), generator=g),

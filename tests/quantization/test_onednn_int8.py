@@ -168,3 +168,41 @@ def test_onednn_graph_false_turns_it_off_and_a_saved_model_gets_it_back(tmp_path
     assert off.kiln_report.recipe["compile_options"]["cpp_wrapper"] is False  # the plan sets True for pt2e CPU graphs
     row = next(m for m in on.kiln_report.candidates if m.name.startswith("torchkiln oneDNN int8 modules"))
     assert row.status in ("passed", "served"), (row.status, row.reason)
+
+
+class Mobile(nn.Module):
+    """MobileNet-style: ReLU6 after a pointwise and a depthwise conv (pt2e: conv -> hardtanh -> quantize), and
+    a hardtanh(-1, 1) that the quantized output's saturation cannot stand in for."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(3, 24, 1), nn.BatchNorm2d(24), nn.ReLU6(inplace=True))
+        self.depthwise = nn.Sequential(nn.Conv2d(24, 24, 3, padding=1, groups=24), nn.BatchNorm2d(24),
+                                       nn.ReLU6(inplace=True))
+        self.odd = nn.Sequential(nn.Conv2d(24, 16, 1), nn.Hardtanh(-1.0, 1.0))
+        self.last = nn.Sequential(nn.Conv2d(16, 16, 1), nn.ReLU(inplace=True))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.last(self.odd(self.depthwise(self.expand(x))))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_relu6_convs_lower_where_the_output_range_does_the_clamp():
+    torch.manual_seed(0)
+    model = Mobile().train()
+    with torch.no_grad():  # batch-norm statistics from data, so activations neither vanish nor explode
+        for _ in range(5):
+            model(torch.randn(8, 3, 32, 32))
+    model, q, _ = quantized(model.eval())
+    served = OneDNNInt8(q)
+    kinds = {n: type(m).__name__ for n, m in served.lowered.named_children() if n.startswith("qconv_")}
+    # expand and depthwise (ReLU6) as ConvReLU2d; `last` too; `odd` (hardtanh(-1, 1)) stays a float conv
+    assert sorted(kinds.values()) == ["ConvReLU2d"] * 3, kinds
+    assert "aten.hardtanh" in served.lowered.code and "aten.conv2d" in served.lowered.code
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref, fake, got = model(x), q(x), served(x)
+    e = float((fake - ref).norm() / ref.norm())
+    assert 0 < e < 0.1
+    assert float((got - fake).norm() / fake.norm()) < 2 * e

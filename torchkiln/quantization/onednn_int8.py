@@ -16,6 +16,7 @@ torch.ao's quantized modules, keeping the calibrated scales, so the numbers are 
 quantization the accuracy report measured:
 
     dq(x) -> conv(dq_per_channel(w)) [-> relu] -> q       quantized Conv2d / ConvReLU2d
+    dq(x) -> conv -> hardtanh(0, 6) -> q                 ConvReLU2d, where q's range ends at or below 6
     dq(x) -> conv -> add(dq(y)) [-> relu] -> q            ConvAdd2d / ConvAddReLU2d
     dq(x) -> max_pool2d | adaptive_avg_pool2d | flatten -> q (same scale): the op on the int8 tensor
 
@@ -76,6 +77,7 @@ def _ops():
 
 
 RELU = (aten.relu.default, aten.relu_.default)
+HARDTANH = (aten.hardtanh.default, aten.hardtanh_.default)  # ReLU6 (MobileNets)
 ADD = (aten.add.Tensor, aten.add_.Tensor)
 # ops that run on a quantized tensor and keep its scale (pt2e shares their input's qparams)
 SAME_SCALE = (aten.max_pool2d.default, aten.adaptive_avg_pool2d.default, aten.flatten.using_ints)
@@ -247,12 +249,25 @@ class _Lowering:
                     continue
                 chain.append(u)
                 u = self.only_user(u)
+            clamp = None
             if u is not None and u.op == "call_function" and u.target in RELU:
                 relu = True
                 chain.append(u)
+            elif u is not None and u.op == "call_function" and u.target in HARDTANH and not u.kwargs:
+                clamp = (list(u.args) + [-1.0, 1.0])[1:3]
+                chain.append(u)
             end = self.chain_end(chain[-1])
-            if end is not None and all(len(n.users) == 1 for n in chain):
-                out[end] = (node, other, relu, chain)
+            if end is None or any(len(n.users) != 1 for n in chain):
+                continue
+            if clamp is not None:
+                # hardtanh(0, hi) before a uint8 quantize with zero point 0 and hi at or past the top
+                # code: the requantized output's own saturation clamps the same values (ReLU6 calibrated
+                # at <= 6); any other clamp stays in float
+                scale, zp = self.qparams(end)
+                if not (clamp[0] == 0 and zp == 0 and clamp[1] / scale >= 254.5):
+                    continue
+                relu = True
+            out[end] = (node, other, relu, chain)
         return out
 
     def conv(self, end: fx.Node, plan: tuple) -> bool:
