@@ -57,12 +57,16 @@ def test_lowers_every_conv_pattern_and_keeps_the_pt2e_numbers():
     assert "max_pool2d" in code and "adaptive_avg_pool2d" in code and "dequantize" in code
     heads = [m for m in served.lowered.modules() if isinstance(m, onednn_int8.DynamicLinear)]
     assert len(heads) == 1 and "aten.linear" not in code  # the float-output head: int8 weights too
+    assert_keeps_the_pt2e_numbers(model, q, served)
+
+
+def assert_keeps_the_pt2e_numbers(model, q, served):
+    """The pt2e graph computes in float on dequantized values (fake quantization); the int8 kernels
+    accumulate in int32 and requantize, so they may differ by a rounding step here and there. Each is
+    one quantization error e away from fp32; allowed: 2e from the pt2e graph (and from fp32)."""
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         ref, fake, got = model(x), q(x), served(x)
-    # The pt2e graph computes in float on dequantized values (fake quantization); the int8 kernels
-    # accumulate in int32 and requantize, so they may differ by a rounding step here and there.
-    # Each is one quantization error e away from fp32; allowed: 2e from the pt2e graph.
     e = float((fake - ref).norm() / ref.norm())
     assert 0 < e < 0.1
     assert float((got - fake).norm() / fake.norm()) < 2 * e
@@ -200,9 +204,4 @@ def test_relu6_convs_lower_where_the_output_range_does_the_clamp():
     # expand and depthwise (ReLU6) as ConvReLU2d; `last` too; `odd` (hardtanh(-1, 1)) stays a float conv
     assert sorted(kinds.values()) == ["ConvReLU2d"] * 3, kinds
     assert "aten.hardtanh" in served.lowered.code and "aten.conv2d" in served.lowered.code
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        ref, fake, got = model(x), q(x), served(x)
-    e = float((fake - ref).norm() / ref.norm())
-    assert 0 < e < 0.1
-    assert float((got - fake).norm() / fake.norm()) < 2 * e
+    assert_keeps_the_pt2e_numbers(model, q, served)
