@@ -24,6 +24,7 @@ Three rules keep it safe:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -60,14 +61,19 @@ def _plain(out) -> bool:
     return type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out)
 
 
-class OneDNNGraph:
-    """Calls ``model`` through one frozen, oneDNN-Graph-fused TorchScript trace per input signature."""
+class PerSignature:
+    """Calls ``model`` through one trace per input signature, made by ``_trace`` (a subclass's), up to
+    ``max_signatures``; past that the model itself runs. ``_scope`` wraps each traced call."""
 
     def __init__(self, model: nn.Module, max_signatures: int = MAX_SIGNATURES):
-        if not available():
-            raise Unsupported("this torch build has no oneDNN Graph fuser")
         self.model, self.max_signatures = model, max_signatures
         self.traces: dict[tuple, torch.jit.ScriptModule] = {}
+
+    def _trace(self, args, kwargs) -> torch.jit.ScriptModule:
+        raise NotImplementedError
+
+    def _scope(self):
+        return contextlib.nullcontext()
 
     def __call__(self, *args, **kwargs):
         key = signature(args, kwargs)
@@ -76,14 +82,39 @@ class OneDNNGraph:
             with _LOCK:
                 fn = self.traces.get(key)
                 if fn is None and len(self.traces) < self.max_signatures:
-                    fn = self.traces[key] = _trace(self.model, args, kwargs)
+                    fn = self.traces[key] = self._trace(args, kwargs)
         if fn is None:  # past the cap: eager, outside the lock so calls stay concurrent
             return self.model(*args, **kwargs)
-        with torch.no_grad():
+        with torch.no_grad(), self._scope():
             return fn(*args, **kwargs)
 
 
-def _trace(model: nn.Module, args, kwargs) -> torch.jit.ScriptModule:
+class OneDNNGraph(PerSignature):
+    """Calls ``model`` through one frozen, oneDNN-Graph-fused TorchScript trace per input signature."""
+
+    def __init__(self, model: nn.Module, max_signatures: int = MAX_SIGNATURES):
+        if not available():
+            raise Unsupported("this torch build has no oneDNN Graph fuser")
+        super().__init__(model, max_signatures)
+
+    def _trace(self, args, kwargs) -> torch.jit.ScriptModule:
+        frozen = frozen_trace(self.model, args, kwargs)
+        runs = torch._C._jit_get_num_profiled_runs() + 2  # profile, then optimise with the fuser on
+        prev = torch._C._jit_llga_enabled()
+        torch._C._jit_set_llga_enabled(True)
+        try:
+            with torch.no_grad():
+                for _ in range(runs):
+                    frozen(*args, **kwargs)
+        finally:
+            torch._C._jit_set_llga_enabled(prev)
+        return frozen
+
+
+def frozen_trace(model: nn.Module, args, kwargs, branches_checked: bool = False) -> torch.jit.ScriptModule:
+    """``model`` traced at these inputs and frozen; refused (Unsupported) where a trace would not
+    serve it faithfully. ``branches_checked``: the model is known to hold no data-dependent branch
+    (an exported graph), so a tensor read as a Python value (export's shape guards) is no refusal."""
     if args and kwargs:
         raise Unsupported("positional and keyword inputs together cannot be traced as one signature")
     with torch.no_grad():
@@ -96,19 +127,10 @@ def _trace(model: nn.Module, args, kwargs) -> torch.jit.ScriptModule:
             else:
                 traced = torch.jit.trace(model, tuple(args), check_trace=False)
         bad = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning) and _UNSAFE in str(w.message)]
-        if bad:
+        if bad and not branches_checked:
             w = bad[0]
             raise Unsupported(f"the trace turned a tensor into a Python value at {w.filename}:{w.lineno}, "
                               "so it would bake in one branch of data-dependent code")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            frozen = torch.jit.freeze(traced.eval())
-        runs = torch._C._jit_get_num_profiled_runs() + 2  # profile, then optimise with the fuser on
-        prev = torch._C._jit_llga_enabled()
-        torch._C._jit_set_llga_enabled(True)
-        try:
-            for _ in range(runs):
-                frozen(*args, **kwargs)
-        finally:
-            torch._C._jit_set_llga_enabled(prev)
-    return frozen
+            return torch.jit.freeze(traced.eval())

@@ -39,7 +39,7 @@ import warnings
 import torch
 from torch import fx, nn
 
-from ..passes.onednn_graph import MAX_SIGNATURES, Unsupported, signature
+from ..passes.onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, frozen_trace
 
 aten = torch.ops.aten
 _ENGINE_LOCK = threading.Lock()
@@ -166,14 +166,14 @@ class _Lowering:
     def run(self) -> fx.GraphModule:
         q_op = _ops()[0]
         plans = self.chains()
-        deferred = {n for p in plans.values() for n in p[3]}
+        deferred = {n for p in plans.values() for n in p[-1]}
         for node in self.gm.graph.nodes:
             if node in self.done or node in deferred:
                 continue
             if node in plans:
                 if self.conv(node, plans[node]):
                     continue
-                for n in plans[node][3]:  # not quantized after all: the float ops, in their order
+                for n in plans[node][-1]:  # not quantized after all: the float ops, in their order
                     self.copy(n)
             if node.op == "placeholder":
                 self.env[node] = ("f", self.graph.placeholder(node.target, type_expr=node.type))
@@ -228,8 +228,9 @@ class _Lowering:
         return True
 
     def chains(self) -> dict[fx.Node, tuple]:
-        """Each int8 conv pattern by its last node (the output quantize): (conv, the add's other
-        operand or None, relu?, the nodes between). Found by structure; whether its inputs are
+        """Each int8 conv pattern by its last node (the output quantize): (the conv's arguments with
+        defaults filled, its weight as a quantized tensor, the add's other operand or None, relu?, the
+        nodes between). Found by structure; whether its inputs are
         quantized tensors is known only when the walk reaches the end, where it is emitted (a
         residual add's other branch may come later in the graph than the conv)."""
         out = {}
@@ -237,7 +238,8 @@ class _Lowering:
             if node.op != "call_function" or node.target is not aten.conv2d.default or node.kwargs:
                 continue
             a = list(node.args) + [None, [1, 1], [0, 0], [1, 1], 1][len(node.args) - 2:]
-            if self.weight(a[1]) is None or not isinstance(a[4], (list, tuple)):
+            weight = self.weight(a[1])
+            if weight is None or not isinstance(a[4], (list, tuple)):
                 continue
             if a[2] is not None and self.const(a[2]) is None:
                 continue
@@ -267,7 +269,7 @@ class _Lowering:
                 if not (clamp[0] == 0 and zp == 0 and clamp[1] / scale >= 254.5):
                     continue
                 relu = True
-            out[end] = (node, other, relu, chain)
+            out[end] = (a[:7], weight, other, relu, chain)
         return out
 
     def conv(self, end: fx.Node, plan: tuple) -> bool:
@@ -275,14 +277,11 @@ class _Lowering:
         import torch.ao.nn.intrinsic.quantized as nniq
         import torch.ao.nn.quantized as nnq
 
-        node, other, relu, _ = plan
-        a = list(node.args) + [None, [1, 1], [0, 0], [1, 1], 1][len(node.args) - 2:]
-        x, w, bias, stride, padding, dilation, groups = a[:7]
+        (x, _, bias, stride, padding, dilation, groups), weight, other, relu, _ = plan
         src = self.quantized_input(x)
         extra = self.quantized_input(other) if other is not None else None
         if src is None or (other is not None and extra is None):
             return False
-        weight = self.weight(w)
         cls = {(False, False): nnq.Conv2d, (True, False): nniq.ConvReLU2d,
                (False, True): nniq.ConvAdd2d, (True, True): nniq.ConvAddReLU2d}[(relu, other is not None)]
         s, zp = self.qparams(end)
@@ -358,7 +357,7 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
         return _Lowering(gm).run()
 
 
-class OneDNNInt8:
+class OneDNNInt8(PerSignature):
     """Calls a tk.quantize'd (pt2e) CNN through the lowered graph, one frozen TorchScript trace
     per input signature (up to MAX_SIGNATURES; past that the quantized model runs as it is)."""
 
@@ -366,34 +365,17 @@ class OneDNNInt8:
         gm = getattr(qmodel, "graph", None)
         if not isinstance(gm, fx.GraphModule):
             raise Unsupported(f"{type(qmodel).__name__} is not a pt2e-quantized model (tk.quantize's graph)")
-        self.qmodel, self.max_signatures = qmodel, max_signatures
+        super().__init__(qmodel, max_signatures)
         self.lowered = lower(gm)
-        self.traces: dict[tuple, torch.jit.ScriptModule] = {}
-        self._lock = threading.Lock()
 
-    def __call__(self, *args, **kwargs):
-        key = signature(args, kwargs)
-        fn = self.traces.get(key)
-        if fn is None:
-            with self._lock:
-                fn = self.traces.get(key)
-                if fn is None and len(self.traces) < self.max_signatures:
-                    fn = self.traces[key] = self._trace(args, kwargs)
-        if fn is None:
-            return self.qmodel(*args, **kwargs)
-        with torch.no_grad(), onednn_engine():
-            return fn(*args, **kwargs)
+    def _scope(self):
+        return onednn_engine()
 
     def _trace(self, args, kwargs) -> torch.jit.ScriptModule:
-        if args and kwargs:
-            raise Unsupported("positional and keyword inputs together cannot be traced as one signature")
-        with torch.no_grad(), onednn_engine(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if kwargs:
-                traced = torch.jit.trace(self.lowered, example_kwarg_inputs=kwargs, check_trace=False)
-            else:
-                traced = torch.jit.trace(self.lowered, tuple(args), check_trace=False)
-            return torch.jit.freeze(traced.eval())
+        with onednn_engine(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")  # see lower()
+            # an exported graph: torch.export refused data-dependent branches; its input guards read shapes
+            return frozen_trace(self.lowered, args, kwargs, branches_checked=True)
 
 
 __all__ = ["OneDNNInt8", "Unsupported", "available", "lower", "onednn_engine"]
