@@ -222,11 +222,12 @@ def test_router_auto_bf16_times_the_bf16_form_and_routes_it():
         out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert "torchkiln::sdpa_math_bf16" in names and "torchkiln::sdpa" not in names
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
-    # compiled: inline, its GEMMs in bf16, no SDPA kernel and no opaque op
+    # compiled: inline, its GEMMs in bf16, no SDPA kernel and no opaque attention op: only the softmax is
     with r:
         out, names = profiled(lambda: torch.compile(F.scaled_dot_product_attention, fullgraph=True)(
             q, k, v, attn_mask=mask))
-    assert "aten::bmm" in names and not {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n}
+    assert "aten::bmm" in names and not {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n} - {
+        "torchkiln::softmax_lastdim"}
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
     # bf16 inputs are timed as in "auto": the bf16 form is for float32 inputs only
     r.calibrating = True
@@ -388,3 +389,57 @@ def test_runner_keeps_the_router_only_for_models_that_attend(attends):
     if attends:
         assert runner.router.seen == 1
     torch.testing.assert_close(runner(x), model(x), rtol=1e-5, atol=1e-6)  # the same answer either way
+
+
+@pytest.mark.parametrize("case", ["bool_mask_dead_row", "float_mask", "mask_b1", "mask_b1_rows", "causal", "none"])
+def test_opaque_softmax_form_matches_sdpa_under_compile(case):
+    """The int8 models' compiled attention (math-bf16 with softmax as torchkiln::softmax_lastdim, and a
+    batch-broadcast mask folded into baddbmm) against float64 SDPA: within bf16's rounding, SDPA's zeros
+    for a row that sees no key, and the opaque softmax really called (the form is not the fused one)."""
+    from torchkiln.passes.sdpa_math import low_math_attention
+
+    q, k, v = qkv()
+    kw = {"is_causal": case == "causal"}
+    if case == "bool_mask_dead_row":
+        kw["attn_mask"], _ = left_padded_mask()  # batch 2: the mask is added, not folded
+    if case == "float_mask":
+        kw["attn_mask"] = torch.randn(2, 1, 16, 16)
+    if case in ("mask_b1", "mask_b1_rows"):  # one mask for every batch and head: folded into baddbmm
+        m = torch.rand(1, 1, 1 if case == "mask_b1" else 16, 16) > 0.3
+        m[..., 0] = True
+        if case == "mask_b1_rows":
+            m[0, 0, 4] = False  # a row that sees no key
+        kw["attn_mask"] = m
+
+    def f(q, k, v, m):
+        return low_math_attention(q, k, v, m, kw["is_causal"], None, False, opaque_softmax=True)
+
+    out, names = profiled(lambda: torch.compile(f, fullgraph=True)(q, k, v, kw.get("attn_mask")))
+    assert "torchkiln::softmax_lastdim" in names
+    if case.startswith("mask_b1"):
+        assert "aten::baddbmm" in names
+    ref = ref_sdpa(q, k, v, **kw).nan_to_num(0.0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+
+
+def test_opaque_softmax_only_for_the_bf16_form_when_compiled(monkeypatch):
+    """The router hands the inline math-bf16 form the opaque softmax, the float math form not
+    (measured slower there: FORMS); eager, both stay the custom ops."""
+    from torchkiln.passes import sdpa_math as sm
+
+    r = SDPARouter(mode="auto-bf16")
+    q, k, v = qkv()
+    b = sm.bind_sdpa((q, k, v), {})
+    key = sm._key(b)
+    for form, opaque in (("math", False), ("math-bf16", True)):
+        r.choices = {key: form}
+        assert r._route(b) is getattr(torch.ops.torchkiln, sm.FORMS[form][1])  # eager
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            inline = r._route(b)
+        assert inline.func is sm.FORMS[form][0] and inline.keywords == {"opaque_softmax": opaque}
+    r.opaque_softmax = False  # the switch benchmarks/diag_opaque_softmax.py uses
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert r._route(b).keywords == {"opaque_softmax": False}

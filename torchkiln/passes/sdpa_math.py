@@ -34,6 +34,7 @@ being traced. "opaque" (accelerators) sends every dropout-free call to
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,26 +44,34 @@ from torch.overrides import TorchFunctionMode
 from ..timing import median_seconds
 
 
-def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, dropout=None) -> torch.Tensor:
+def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, dropout=None,
+                   opaque_softmax: bool = False) -> torch.Tensor:
     """SDPA as two batched GEMMs and a softmax, in plain traceable ops. Under torch.compile
     the router calls this inline rather than through the opaque ``torchkiln::sdpa_math``:
     inductor then fuses the mask and softmax into one C++ kernel and calls the GEMMs
     directly. bert-base bf16 bs1 seq128 on a 2-core Zen 4 (AVX512_BF16), one process,
     interleaved: 75.6 ms inline against 80.0 ms through the opaque op (RESULTS.md).
-    ``dropout``: applied to the attention probabilities (training; passes/hash_dropout.py)."""
+    ``dropout``: applied to the attention probabilities (training; passes/hash_dropout.py).
+    ``opaque_softmax`` (inference only): the softmax as ``torchkiln::softmax_lastdim`` instead,
+    and a mask shared by every batch and head added by the first GEMM (the router sets it
+    where measured faster: FORMS)."""
     if enable_gqa and k.size(-3) != q.size(-3):
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
     # Scaling q (L x E) is cheaper than scaling the scores (L x S), and gives a
     # contiguous operand for the batched GEMM.
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
-    s = torch.matmul(q, k.transpose(-2, -1))
+    opaque = opaque_softmax and dropout is None and not q.requires_grad
+    # One mask for every batch and head: added by the first GEMM (baddbmm), not by a pass over the scores.
+    folded = opaque and attn_mask is not None and not is_causal and all(d == 1 for d in attn_mask.shape[:-2])
+    s = _scores_plus(q, k, attn_mask) if folded else torch.matmul(q, k.transpose(-2, -1))
     keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril() if is_causal else None
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     dead = None
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        if not folded:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
         # SDPA (torch >= 2.5) gives 0, not NaN, for a query row with every key
         # masked out, as left-padded decoder batches have. Found on the mask,
         # which is broadcast over heads: much less work than a pass over the
@@ -70,13 +79,38 @@ def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
         live = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
         dead = ~(live if keep is None else live & keep).any(-1, keepdim=True)
     # torch's CPU/CUDA softmax accumulates low-precision inputs in fp32 already.
-    probs = torch.softmax(s, -1)
+    probs = softmax_lastdim(s) if opaque else torch.softmax(s, -1)
     out = torch.matmul(probs if dropout is None else dropout(probs), v)
     return out if dead is None else out.masked_fill(dead, 0.0)
 
 
+def _scores_plus(q, k, attn_mask):
+    """q @ k^T + the mask (as a bias in q's dtype), in one baddbmm; the mask's leading dims are 1."""
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    L, S, E = q.size(-2), k.size(-2), q.size(-1)
+    n = q.numel() // (L * E)
+    bias = attn_mask.to(q.dtype).reshape(1, *attn_mask.shape[-2:]).expand(n, L, S)
+    return torch.baddbmm(bias, q.reshape(n, L, E), k.reshape(n, S, E).transpose(1, 2)).view(*q.shape[:-1], S)
+
+
+@torch.library.custom_op("torchkiln::softmax_lastdim", mutates_args=())
+def softmax_lastdim(x: torch.Tensor) -> torch.Tensor:
+    """torch.softmax over the last dim, opaque to inductor. Why: inductor's own CPU softmax kernel
+    (a max pass, exp stored in fp32, then a sum and a divide pass; the mask rebuilt from the int64
+    attention_mask inside each) took 187 us per bert-base layer (bs1, seq 128, 12 heads, 2-core
+    Zen 4) against eager's 73 (+19 us for the call through Python) and a 13-us bias in baddbmm.
+    bert-base int8 bs1: 1.058x (benchmarks/diag_opaque_softmax.py; RESULTS.md)."""
+    return torch.softmax(x, -1)
+
+
+@softmax_lastdim.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
 def low_math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
-                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                       dtype: torch.dtype = torch.bfloat16, opaque_softmax: bool = False) -> torch.Tensor:
     """``math_attention`` computed in ``dtype``, returned in q's dtype. Used for float32
     inputs of int8 models only, where bf16's ~0.4% rounding of the scores sits below the
     int8 activations' own error (the guard still checks the model against its quantized
@@ -89,7 +123,8 @@ def low_math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: b
             ~attn_mask, float("-inf"))
     elif attn_mask is not None:
         attn_mask = attn_mask.to(dtype)
-    out = math_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask, is_causal, scale, enable_gqa)
+    out = math_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask, is_causal, scale, enable_gqa,
+                         opaque_softmax=opaque_softmax)
     return out.to(q.dtype)
 
 
@@ -215,13 +250,21 @@ def _key(b) -> tuple | None:
 
 # The forms the router chooses between: eager (an opaque op) and traced (inline, for
 # inductor to fuse: math_attention's docstring). SDPA itself stays opaque either way.
-FORMS = {"math": (math_attention, "sdpa_math"), "math-bf16": (low_math_attention, "sdpa_math_bf16")}
+# The third field: whether the inline form may call softmax as the opaque ``torchkiln::softmax_lastdim``
+# (math_attention says why). Measured per form, bert-base bs1 seq128, 2-core Zen 4, one process,
+# interleaved (benchmarks/diag_opaque_softmax.py): int8 (math-bf16) 1.058x; bf16 and fp32 models
+# (math) 0.993x and 0.989x, so not there.
+FORMS = {"math": (math_attention, "sdpa_math", False), "math-bf16": (low_math_attention, "sdpa_math_bf16", True)}
 
 
 class SDPARouter(TorchFunctionMode):
     """Enter around a model call. mode="auto": ``calibrating=True`` measures unseen
     shapes on real inputs (CPU); "auto-bf16": also the math form in bf16, for float32
     inputs; mode="opaque": every call goes to torchkiln::sdpa."""
+
+    # Read once per router, at construction (a compiled graph keeps what it was traced with):
+    # benchmarks/diag_opaque_softmax.py flips it to build the other variant in the same process.
+    OPAQUE_SOFTMAX = True
 
     def __init__(self, mode: str = "auto"):
         super().__init__()
@@ -232,6 +275,7 @@ class SDPARouter(TorchFunctionMode):
         self.timings: dict[tuple, dict[str, float]] = {}  # key -> {form: seconds}
         self.calibrating = False
         self.seen = 0  # attention calls met (Runner.calibrate drops a router that met none)
+        self.opaque_softmax = type(self).OPAQUE_SOFTMAX
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -261,8 +305,10 @@ class SDPARouter(TorchFunctionMode):
             return None
         if form == "sdpa":
             return torch.ops.torchkiln.sdpa
-        inline, op = FORMS[form]
-        return inline if torch.compiler.is_compiling() else getattr(torch.ops.torchkiln, op)
+        inline, op, opaque = FORMS[form]
+        if not torch.compiler.is_compiling():
+            return getattr(torch.ops.torchkiln, op)
+        return functools.partial(inline, opaque_softmax=opaque and self.opaque_softmax)
 
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
