@@ -134,10 +134,10 @@ def _detach(args: inputs.Args) -> inputs.Args:
     return inputs.tree_map(lambda t: t.detach(), args)
 
 
-def _observed(model, config, sample, device, smooth) -> nn.Module:
+def _observed(model, config, sample, device, smooth, merge_linears: bool = True) -> nn.Module:
     m = copy.deepcopy(model).eval()
     smooth(m)
-    observed, _ = pt2e_flow.prepare(m, config, inputs.to(sample, device))
+    observed, _ = pt2e_flow.prepare(m, config, inputs.to(sample, device), merge_linears)
     return observed
 
 

@@ -68,6 +68,9 @@ def save(model: nn.Module, path, float_model: nn.Module | None = None, overwrite
                 "packed_for": packed,
                 "fingerprint": qi.fingerprint, "calibration": qi.calibration, "smoothing": qi.smoothing,
                 "alphas": qi.alphas,
+                # the calibration's observers are those of a graph with sibling linears merged
+                # (concat_linear_fx.py); files without the key predate the merge
+                "merged_linears": qi.backend == "pt2e",
                 "torch": torch.__version__}
     torch.save({"format": FORMAT, "manifest": json.dumps(manifest), "tensors": tensors}, path)
 
@@ -108,7 +111,7 @@ def load(model: nn.Module, path, device=None) -> nn.Module:
             if config.scheme == "int8-smoothquant":
                 smoothquant.smooth(m, amax, qi.alphas if config.alpha == "auto" else config.alpha)
 
-        observed = _observed(q, config, qi.sample, dev, smooth)
+        observed = _observed(q, config, qi.sample, dev, smooth, manifest.get("merged_linears", False))
         pt2e_flow.load_observer_state(observed, qi.calibration)
         return QuantizedGraph(pt2e_flow.convert(observed), qi)
     if qi.backend == "kernels":

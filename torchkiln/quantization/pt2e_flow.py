@@ -2,8 +2,9 @@
 convert_pt2e), used on CPU for int8-static, int8-smoothquant and int8-dynamic.
 
 torchao owns the flow; torchkiln adds: export with every input dimension left dynamic where
-the model allows (a model calibrated at batch 8 still takes batch 1), modules kept in floating
-point by name, and the observers' state as JSON (calibration saved without pickle).
+the model allows (a model calibrated at batch 8 still takes batch 1), sibling linears (Q, K, V)
+merged into one (concat_linear_fx.py), modules kept in floating point by name, and the
+observers' state as JSON (calibration saved without pickle).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from .. import inputs
 from ..modelutil import first_line
+from .concat_linear_fx import concat_sibling_linears
 from .config import QuantConfig
 from .schemes import _quiet_torchao
 
@@ -128,9 +130,13 @@ def quantizer(config: QuantConfig, calls: dict[str, list[str]] | None = None):
     return q
 
 
-def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args) -> tuple[nn.Module, bool]:
+def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args,
+            merge_linears: bool = True) -> tuple[nn.Module, bool]:
+    """``merge_linears=False``: as before the merge existed (files saved then hold one observer per linear)."""
     _, prepare_pt2e, _ = _pt2e()
     graph, dynamic = export(model, sample)
+    if merge_linears:
+        concat_sibling_linears(graph, config.keep)
     calls = split_repeated_calls(graph)
     try:
         return prepare_pt2e(graph, quantizer(config, calls)), dynamic
