@@ -36,6 +36,8 @@ def main():
                 cell = ipex_peer.compare(model, dtype, batch, tuple(a.peers.split(",")), a.rounds, a.iters,
                                          a.ipex_python)
                 print(cell.row(), flush=True)
+                if cell.candidates_ms:  # what optimize() timed when it chose what it served
+                    print("  optimize() measured: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in cell.candidates_ms.items()))
                 rows.append(cell.row())
     text = "\n".join([ipex_peer.HEADER, *rows])
     print("\n" + text)

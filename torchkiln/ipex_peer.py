@@ -147,9 +147,13 @@ def serve(argv=None) -> None:
     with torch.no_grad():
         for _ in range(a.warmup):
             fn(*args, **kwargs)
-    served = str(getattr(getattr(fn, "kiln_report", None), "active", "")) if a.peer == "torchkiln" else ""
+    report = getattr(fn, "kiln_report", None) if a.peer == "torchkiln" else None
+    served = str(getattr(report, "active", "")) if report is not None else ""
+    # what optimize() measured when it chose (a choice that differs from a cell's times shows here)
+    measured = {m.name: m.median_ms for m in getattr(report, "candidates", []) if m.median_ms is not None}
     print(json.dumps({"ready": True, "peer": a.peer, "setup_s": round(time.perf_counter() - t0, 1),
-                      "torch": torch.__version__, "threads": torch.get_num_threads(), "served": served}), flush=True)
+                      "torch": torch.__version__, "threads": torch.get_num_threads(), "served": served,
+                      "candidates_ms": measured}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] != "run":
@@ -217,6 +221,7 @@ class Cell:
     ratio: float | None = None  # median over rounds of ipex_ms / torchkiln_ms (>1: torchkiln faster)
     ratio_range: tuple | None = None
     served: str = ""  # what torchkiln served
+    candidates_ms: dict = field(default_factory=dict)  # what optimize() measured when it chose
 
     def row(self) -> str:
         def ms(p):
@@ -274,7 +279,8 @@ def compare(model: str, dtype: str = "float32", batch: int = 1, peers=PEERS, rou
              if i and t]
     if pairs:
         cell.ratio, cell.ratio_range = statistics.median(pairs), (min(pairs), max(pairs))
-    cell.served = next((p.info.get("served", "") for p in procs if p.name == "torchkiln"), "")
+    kiln = next((p.info for p in procs if p.name == "torchkiln"), {})
+    cell.served, cell.candidates_ms = kiln.get("served", ""), kiln.get("candidates_ms", {})
     return cell
 
 

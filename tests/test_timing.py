@@ -1,0 +1,41 @@
+"""torchkiln.timing.interleaved: rounds, pruning, and the minimum samples the close contenders get."""
+
+import time
+
+import torch
+
+from torchkiln.timing import interleaved
+
+CPU = torch.device("cpu")
+
+
+def sleeper(s):
+    return lambda: time.sleep(s)
+
+
+def test_slow_candidates_do_not_starve_the_close_ones():
+    """A slow candidate spends the budget in the first rounds; the two fast ones still get
+    min_samples calls each (they used to stop at min_rounds=3), the slow one is pruned."""
+    fns = {"slow": sleeper(0.04), "a": sleeper(0.001), "b": sleeper(0.0012)}  # 3 rounds: > budget, < 2x
+    t = interleaved(fns, CPU, budget_s=0.1, min_samples=10)
+    assert len(t["slow"]) == 3
+    assert len(t["a"]) >= 10 and len(t["b"]) >= 10
+    assert len(t["a"]) < 20  # and no more than that: the budget was already spent
+
+
+def test_min_samples_is_capped_at_twice_the_budget():
+    fns = {"a": sleeper(0.01), "b": sleeper(0.01)}
+    start = time.perf_counter()
+    t = interleaved(fns, CPU, budget_s=0.1, min_samples=10_000)
+    spent = time.perf_counter() - start
+    assert 0.2 <= spent < 0.2 + 0.1  # stopped at the first round boundary past 2 x budget
+    assert 3 < len(t["a"]) < 20
+
+
+def test_errors_drop_a_function_and_the_rest_are_timed():
+    def bad():
+        raise RuntimeError("boom")
+    errors = {}
+    t = interleaved({"ok": sleeper(0.001), "bad": bad}, CPU, budget_s=0.01, errors=errors)
+    assert "bad" not in t and isinstance(errors["bad"], RuntimeError)
+    assert len(t["ok"]) >= 10
