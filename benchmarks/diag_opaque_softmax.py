@@ -3,7 +3,8 @@ interleaved (bs1, bert-base seq128 by default):
 
 - ``--part softmax``: the compiled attention's softmax as the opaque ``torchkiln::softmax_lastdim``
   (and the mask folded into baddbmm) against inductor's fused softmax kernel
-  (passes/sdpa_math.py), for the int8 model and, with ``--dtypes``, the float32/bf16 ones;
+  (passes/sdpa_math.py), for the int8 model; ``--dtypes bfloat16,float32`` is the control (their
+  math form never takes the opaque softmax: FORMS; expect 1.00x and identical outputs);
 - ``--part merge``: Q/K/V merged into one int8 linear before quantizing (quantization/
   concat_linear_fx.py) against three, whole model; ``--part qkv``: the GEMMs alone
   (``onednn::qlinear_pointwise``, 3 x 768 against one 2304-wide, 128 rows).

@@ -100,7 +100,7 @@ def softmax_lastdim(x: torch.Tensor) -> torch.Tensor:
     (a max pass, exp stored in fp32, then a sum and a divide pass; the mask rebuilt from the int64
     attention_mask inside each) took 187 us per bert-base layer (bs1, seq 128, 12 heads, 2-core
     Zen 4) against eager's 73 (+19 us for the call through Python) and a 13-us bias in baddbmm.
-    bert-base int8 bs1: 1.058x (benchmarks/diag_opaque_softmax.py; RESULTS.md)."""
+    bert-base int8 bs1: 1.058-1.070x (benchmarks/diag_opaque_softmax.py; RESULTS.md)."""
     return torch.softmax(x, -1)
 
 
@@ -252,8 +252,8 @@ def _key(b) -> tuple | None:
 # inductor to fuse: math_attention's docstring). SDPA itself stays opaque either way.
 # The third field: whether the inline form may call softmax as the opaque ``torchkiln::softmax_lastdim``
 # (math_attention says why). Measured per form, bert-base bs1 seq128, 2-core Zen 4, one process,
-# interleaved (benchmarks/diag_opaque_softmax.py): int8 (math-bf16) 1.058x; bf16 and fp32 models
-# (math) 0.993x and 0.989x, so not there.
+# interleaved: int8 (math-bf16) 1.058-1.070x (benchmarks/diag_opaque_softmax.py); the bf16 and fp32
+# models (math), with the flag applied to every form in an ad-hoc A/B, 0.993x and 0.989x, so not there.
 FORMS = {"math": (math_attention, "sdpa_math", False), "math-bf16": (low_math_attention, "sdpa_math_bf16", True)}
 
 
