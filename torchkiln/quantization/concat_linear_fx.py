@@ -18,6 +18,8 @@ finds it by its name.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import fx
 
@@ -29,10 +31,7 @@ def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
         return None
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         raise LookupError
-    obj = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, node.target.split("."), gm)
 
 
 def module_name(node: fx.Node) -> str:
@@ -41,8 +40,11 @@ def module_name(node: fx.Node) -> str:
     return list(stack.values())[-1][0] if stack else ""
 
 
-def _groups(gm: fx.GraphModule, keep: tuple[str, ...]) -> list[list[fx.Node]]:
-    by_input: dict[fx.Node, list[fx.Node]] = {}
+Sibling = tuple[fx.Node, torch.Tensor, torch.Tensor | None]  # a linear node, its weight, its bias
+
+
+def _groups(gm: fx.GraphModule, keep: tuple[str, ...]) -> list[list[Sibling]]:
+    by_input: dict[fx.Node, list[Sibling]] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not LINEAR or len(n.args) < 2 or n.kwargs:
             continue
@@ -52,17 +54,14 @@ def _groups(gm: fx.GraphModule, keep: tuple[str, ...]) -> list[list[fx.Node]]:
             continue  # a weight computed in the graph: not a constant to concatenate
         if w is None or w.dim() != 2 or any(module_name(n).startswith(k) for k in keep if k):
             continue
-        n.meta["_kiln_wb"] = (w, b)
-        by_input.setdefault(n.args[0], []).append(n)
+        by_input.setdefault(n.args[0], []).append((n, w, b))
     groups = []
-    for nodes in by_input.values():
-        w0, b0 = nodes[0].meta["_kiln_wb"]
-        same = [n for n in nodes if n.meta["_kiln_wb"][0].shape[1] == w0.shape[1]
-                and n.meta["_kiln_wb"][0].dtype == w0.dtype and (n.meta["_kiln_wb"][1] is None) == (b0 is None)]
+    for sibs in by_input.values():
+        _, w0, b0 = sibs[0]
+        same = [(n, w, b) for n, w, b in sibs if w.shape[1] == w0.shape[1] and w.dtype == w0.dtype
+                and (b is None) == (b0 is None)]
         if len(same) > 1:
             groups.append(same)
-    for n in gm.graph.nodes:
-        n.meta.pop("_kiln_wb", None)
     return groups
 
 
@@ -79,15 +78,14 @@ def concat_sibling_linears(gm: fx.GraphModule, keep: tuple[str, ...] = ()) -> in
     """Rewrite ``gm`` in place; returns how many linears were merged away."""
     merged = 0
     for i, group in enumerate(_groups(gm, keep)):
-        ws = [_attr(gm, n.args[1]) for n in group]
-        bs = [_attr(gm, n.args[2] if len(n.args) > 2 else None) for n in group]
+        nodes, ws, bs = zip(*group, strict=True)
         name = f"_kiln_concat_linear_{i}"
         while hasattr(gm, name + "_weight"):
             name += "_"
         gm.register_buffer(name + "_weight", torch.cat([w.detach() for w in ws]))
         if bs[0] is not None:
             gm.register_buffer(name + "_bias", torch.cat([b.detach() for b in bs]))
-        first = group[0]  # graph order: every sibling comes after the shared input
+        first = nodes[0]  # graph order: every sibling comes after the shared input
         with gm.graph.inserting_before(first):
             w_node = gm.graph.get_attr(name + "_weight")
             b_node = gm.graph.get_attr(name + "_bias") if bs[0] is not None else None
@@ -99,7 +97,7 @@ def concat_sibling_linears(gm: fx.GraphModule, keep: tuple[str, ...] = ()) -> in
         if fake is not None:
             fused.meta["val"] = fake
         start = 0
-        for n, w in zip(group, ws, strict=True):
+        for n, w in zip(nodes, ws, strict=True):
             end = start + w.shape[0]
             with gm.graph.inserting_after(fused):
                 piece = gm.graph.call_function(torch.ops.aten.slice.Tensor, (fused, -1, start, end))
@@ -112,7 +110,7 @@ def concat_sibling_linears(gm: fx.GraphModule, keep: tuple[str, ...] = ()) -> in
             n.replace_all_uses_with(piece)
             gm.graph.erase_node(n)
             start = end
-        merged += len(group) - 1
+        merged += len(nodes) - 1
     if merged:
         gm.graph.eliminate_dead_code()
         # The siblings' own weights are read by nothing now: drop them (the caller's model keeps its own).
