@@ -710,13 +710,14 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     quant = getattr(model, "kiln_quant", None)
     if quant is not None:
         from .quantization.plan import has_conv as quant_has_conv
+        from .quantization.plan import linear_shapes
         from .quantization.plan import plan as plan_quantized
 
         if compute != torch.float32:
             warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
                       "it is served at the precision it was quantized in (cast the model before tk.quantize)")
-        recipe = serving_knobs(plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model)),
-                               knobs)
+        recipe = serving_knobs(plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model),
+                                              linear_shapes(model)), knobs)
         unused = sorted(k for k, v in knobs.items() if v is not None and k not in SERVING_KNOBS + INTEL_ONLY)
         if unused:
             warn_once(f"quant-knobs:{unused}", f"torchkiln: {', '.join(unused)} ignored for a quantized model: its "

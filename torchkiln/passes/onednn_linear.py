@@ -92,6 +92,53 @@ def measure(dtype: torch.dtype, m: int, k: int, n: int, iters: int = 10) -> dict
         return {name: round(2 * m * k * n / median_seconds(fn, iters=iters) / 1e9, 1) for name, fn in paths.items()}
 
 
+def _attr(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    if getattr(node, "op", None) != "get_attr":
+        return None
+    t = gm
+    for part in node.target.split("."):
+        t = getattr(t, part)
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def graph_float_linears(gm: torch.fx.GraphModule) -> list:
+    """The ``aten.linear`` nodes of an exported (pt2e int8) graph whose weight is a float32
+    graph attribute: the layers kept in float. A quantized linear's weight comes through a
+    dequantize node instead."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.linear.default:
+            w = _attr(gm, n.args[1])
+            if w is not None and w.dtype == torch.float32 and w.dim() == 2:
+                out.append(n)
+    return out
+
+
+def onednn_linear_graph(gm: torch.fx.GraphModule) -> int:
+    """Route a pt2e int8 graph's float32 linears through OneDNNLinear submodules. Why: inductor's
+    freezing packs an exported graph's float32 linears for MKL (torch/_inductor/fx_passes/mkldnn_fusion.py,
+    pack_linear; oneDNN only for symbolic sizes, which the attention router's per-shape choice
+    specializes away), and MKL's fp32 GEMM is the slow one on AMD CPUs (above). Mutates ``gm``;
+    the weights are shared, not copied. Returns how many were routed."""
+    nodes = graph_float_linears(gm)
+    for i, n in enumerate(nodes):
+        w = _attr(gm, n.args[1])
+        b = _attr(gm, n.args[2]) if len(n.args) > 2 and n.args[2] is not None else None
+        shell = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        shell.weight = nn.Parameter(w.detach(), requires_grad=False)
+        shell.bias = nn.Parameter(b.detach(), requires_grad=False) if b is not None else None
+        name = f"kiln_onednn_linear_{i}"
+        gm.add_submodule(name, OneDNNLinear(shell))
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_module(name, (n.args[0],))
+        new.meta.update(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    if nodes:
+        gm.recompile()
+    return len(nodes)
+
+
 @dataclass(frozen=True)
 class OneDNNLinearConfig:
     """The measurement behind the choice travels with it: GEMM shape (m, k, n) and
@@ -105,6 +152,9 @@ class OneDNNLinearConfig:
 
 @register(OneDNNLinearConfig, order=70)
 def _apply(model, config, ctx):
+    graph = getattr(model, "graph", None)
+    if isinstance(graph, torch.fx.GraphModule) and hasattr(model, "kiln_quant"):  # a tk.quantize'd (pt2e) graph
+        return model, f"{onednn_linear_graph(graph)} float32 linears of the int8 graph"
     rows = input_rows(model, *ctx.sample) if ctx.sample is not None else None
     before = sum(isinstance(m, OneDNNLinear) for m in model.modules())
     model = onednn_linear(model, rows)

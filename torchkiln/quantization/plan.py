@@ -9,17 +9,22 @@ inductor without freezing (torchao's tensor subclasses carry their own kernels).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..passes import registry
+from ..passes.onednn_linear import graph_float_linears
+from ..plan.cpu import gemm_choice
 from ..recipe import Recipe
 from . import onednn_int8
 from .api import QuantInfo
 
 
-def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_conv: bool = False) -> Recipe:
+def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_conv: bool = False,
+         linears: dict | None = None) -> Recipe:
+    """``linears``: the graph's linear shapes, float and int8 (``linear_shapes``)."""
     rep = qi.report
     worst = rep.min_sqnr if rep.outputs and math.isfinite(rep.min_sqnr) else None
     quant = registry.make("quantize", scheme=qi.config.scheme, backend=qi.backend, kept=tuple(rep.kept),
@@ -48,6 +53,13 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
     int8_ops = static and onednn_int8.available()
     if int8_ops:
         notes.append("int8 convs: torch's oneDNN quantized modules (TorchScript) timed as a candidate")
+    gemm = None
+    if cpu and qi.backend == "pt2e" and level != "O0":
+        gemm = _float_gemm(linears or {}, notes)
+        if gemm is not None:
+            options = tuple(o for o in options if o[0] != "cpp_wrapper")
+            notes = [n for n in notes if not n.startswith("inductor's C++ wrapper")]
+            notes.append("inductor's Python wrapper: the C++ one cannot call oneDNN-prepacked linears")
     attention = "sdpa"
     if cpu and qi.backend == "pt2e" and bf16_native:
         # The int8 graph's attention runs in float32 (the quantizer leaves it), torch's flash kernel:
@@ -57,7 +69,8 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
         # result against the quantized reference. Chosen per shape by measurement.
         attention = "auto-bf16"
         notes.append("attention: the math form in bf16 where measured faster (native bf16 CPU)")
-    return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=(quant,),
+    passes = (quant, gemm) if gemm is not None else (quant,)
+    return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=passes,
                   attention=attention, compile=level != "O0", compile_options=options, static_shapes=static,
                   onednn_graph=int8_ops, notes=tuple(notes))
 
@@ -69,6 +82,57 @@ def has_conv(model) -> bool:
     convs = {getattr(torch.ops.aten, n, None) for n in ("conv1d", "conv2d", "conv3d", "convolution")} - {None}
     return graph is not None and any(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in convs
                                      for n in graph.nodes)
+
+
+def linear_shapes(model) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) features of a pt2e-quantized graph's linears: "float" (kept in float32, see
+    passes/onednn_linear.graph_float_linears) and "int8" (weight through a dequantize node)."""
+    gm = getattr(model, "graph", None)
+    out: dict[str, list[tuple[int, int]]] = {"float": [], "int8": []}
+    if not isinstance(gm, torch.fx.GraphModule):
+        return out
+    kept = set(graph_float_linears(gm))
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.linear.default:
+            continue
+        w = n.args[1]
+        if n not in kept and getattr(w, "op", None) == "call_function" and w.args:
+            w = w.args[0]  # dequantize(int8 weight, ...)
+        if getattr(w, "op", None) == "get_attr":
+            t = functools.reduce(getattr, w.target.split("."), gm)
+            out["float" if n in kept else "int8"].append((t.shape[1], t.shape[0]))
+    return out
+
+
+# What inductor's C++ wrapper is worth on a pt2e int8 linear graph: bert-base int8 bs1 1.04x
+# (diag_quant_wrapper.py, RESULTS.md). The wrapper cannot call oneDNN-prepacked linears, so routing
+# the float32 linears there must be expected to gain more than this.
+WRAPPER_GAIN = 0.05
+
+
+def _float_gemm(linears: dict, notes: list):
+    """The onednn_linear pass for a pt2e int8 graph's float32 linears (the layers kept in float),
+    where the GEMM measurement here expects it to gain more than the C++ wrapper it rules out.
+    Expected gain: the float linears' share of the linear FLOPs (rows taken as equal) times
+    1 - aten / oneDNN GFLOP/s. Real all-MiniLM-L6-v2 int8-dynamic bs16 with 8 of 27 layers kept
+    (share 0.34), 2-core Zen 5: measured aten 206 vs oneDNN 480 GFLOP/s, so 0.19 expected; served
+    59.4 -> see RESULTS.md (twenty-sixth session)."""
+    fl, q8 = linears.get("float", []), linears.get("int8", [])
+    if not fl:
+        return None
+    shape = max(set(fl), key=lambda s: fl.count(s) * s[0] * s[1])
+    choice, rates = gemm_choice(torch.float32, 128, *shape)
+    if not rates:
+        return None
+    share = sum(k * n for k, n in fl) / sum(k * n for k, n in fl + q8)
+    gain = share * (1 - rates["aten"] / rates["onednn"])
+    use = choice == "onednn" and gain > WRAPPER_GAIN
+    notes.append(f"{len(fl)} float32 linear(s) in the int8 graph ({share:.0%} of linear FLOPs): GEMM 128x{shape[0]}x"
+                 f"{shape[1]} aten {rates['aten']} vs oneDNN {rates['onednn']} GFLOP/s, expected gain {gain:.0%} -> "
+                 + ("oneDNN" if use else f"inductor's (not above the C++ wrapper's {WRAPPER_GAIN:.0%})"))
+    if not use:
+        return None
+    return registry.make("onednn_linear", shape=(128, *shape), aten_gflops=rates["aten"], onednn_gflops=rates["onednn"])
 
 
 def tolerances(qi: QuantInfo, n: int) -> list[float]:
