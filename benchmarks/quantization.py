@@ -241,6 +241,28 @@ def fp8_part(budget):
     print("\nbert-base bs64 seq128 (median ms): " + ", ".join(f"{n} {v:.3f}" for n, v in ms.items()))
     print(f"  fp8 speedup over torchkiln bf16: {ms['torchkiln bf16'] / ms['torchkiln fp8']:.2f}x; "
           f"served {fp8.kiln_report.active}")
+    for n, f in (("bf16", bf16), ("fp8", fp8)):
+        print(f"  {n} candidates: " + ", ".join(f"{c.name} {c.median_ms} ms ({c.status})"
+                                                 for c in f.kiln_report.candidates))
+        top_kernels(n, lambda f=f: f(**sample))
+
+
+def top_kernels(name, call, calls=5, top=12):
+    """Where a CUDA call's time goes: torch.profiler's kernels by GPU time, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) / calls / 1e3
+    print(f"  {name}: {total:.3f} ms of kernels per call")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"    {e.self_device_time_total / calls / 1e3:7.3f} ms  x{e.count // calls:<4} {e.key[:90]}")
 
 
 def minilm_part(budget):

@@ -23,6 +23,21 @@ def test_slow_candidates_do_not_starve_the_close_ones():
     assert len(t["a"]) < 20  # and no more than that: the budget was already spent
 
 
+def test_a_fast_candidate_with_slow_first_calls_is_not_pruned():
+    """Its first calls run slow (after slow neighbours), one of them fast: it stays, gets its
+    samples, and its median ends at its real speed; the really slow one is pruned."""
+    calls = {"n": 0}
+
+    def warming():
+        calls["n"] += 1
+        time.sleep(0.02 if calls["n"] in (1, 3) else 0.002)
+
+    fns = {"slow": sleeper(0.03), "warming": warming, "steady": sleeper(0.004)}
+    t = interleaved(fns, CPU, budget_s=0.1, min_samples=10)  # 3 rounds ~0.13 s: inside 2 x budget
+    assert len(t["warming"]) >= 10 and len(t["slow"]) == 3
+    assert sorted(t["warming"])[len(t["warming"]) // 2] < sorted(t["steady"])[len(t["steady"]) // 2]
+
+
 def test_min_samples_is_capped_at_twice_the_budget():
     fns = {"a": sleeper(0.01), "b": sleeper(0.01)}
     start = time.perf_counter()
