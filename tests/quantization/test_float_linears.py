@@ -77,7 +77,17 @@ def test_plan_routes_kept_linears_only_where_the_gain_beats_the_cpp_wrapper(monk
     monkeypatch.setattr(qplan, "gemm_choice", _rates(450.0, 480.0))  # 0.485 * 0.0625 = 0.03 < 0.05
     r = qplan.plan(q.kiln_quant, "cpu", "O1", linears=shapes)
     assert r.pass_config("onednn_linear") is None and dict(r.compile_options)["cpp_wrapper"]
+    assert any("aten (oneDNN not 10% faster)" in n for n in r.notes)
+    monkeypatch.setattr(qplan, "gemm_choice", _rates(300.0, 340.0))  # oneDNN faster, gain 0.485 * 0.12 = 0.057
+    assert qplan.plan(q.kiln_quant, "cpu", "O1", linears=shapes).pass_config("onednn_linear") is not None
+    monkeypatch.setattr(qplan, "gemm_choice", _rates(300.0, 334.0))  # 0.485 * 0.102 = 0.049: not above
+    r = qplan.plan(q.kiln_quant, "cpu", "O1", linears=shapes)
+    assert r.pass_config("onednn_linear") is None and any("with the C++ wrapper" in n for n in r.notes)
+    monkeypatch.setattr(qplan, "gemm_choice", _rates(200.0, 480.0))
     assert qplan.plan(q.kiln_quant, "cpu", "O0", linears=shapes).pass_config("onednn_linear") is None
+    # a conv graph keeps the C++ wrapper (its FLOPs are the convs'; a kept head is a small share)
+    conv = qplan.plan(q.kiln_quant, "cpu", "O1", has_conv=True, linears=shapes)
+    assert conv.pass_config("onednn_linear") is None and dict(conv.compile_options)["cpp_wrapper"]
     nothing_kept = quantized(keep=())
     assert qplan.plan(nothing_kept.kiln_quant, "cpu", "O1",
                       linears=qplan.linear_shapes(nothing_kept)).pass_config("onednn_linear") is None
