@@ -16,21 +16,12 @@ import time
 import warnings
 
 import torch
+from _variants import gpu_us
 
 import torchkiln as tk
 from torchkiln.zoo import load
 
 warnings.filterwarnings("ignore")
-
-
-def kernel_ms(call, calls=5):
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
 
 
 def main():
@@ -77,7 +68,7 @@ def main():
                 torch.cuda.synchronize()
                 wall[name].append((time.perf_counter() - t) / a.iters * 1e3)
         for name, f in fns.items():
-            kern[name] = kernel_ms(f)
+            kern[name] = gpu_us(f, iters=5) / 1e3
     print(f"\nbert-base bs{a.batch} seq128 fp8 on {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| build | wall ms | kernels ms |\n|---|---|---|")
     for name in fns:
