@@ -21,7 +21,7 @@ def main() -> int:
     ap.add_argument("--config", default="llama-125m", choices=sorted(bench.CONFIGS))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quant", default="")
+    ap.add_argument("--quant", default="", help="weight-only schemes besides the dense model: int8,int4 (none: dense only)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--lookup", type=int, default=0, help="also time prompt-lookup speculation (K drafted tokens)")
     ap.add_argument("--results", help="append the table to this markdown file")
     a = ap.parse_args()
-    quant = tuple(q for q in a.quant.split(",") if q)
+    quant = tuple(q for q in a.quant.split(",") if q and q != "none")  # the dense peer always runs
     rows, info = bench.run(a.config, a.device, getattr(torch, a.dtype), quant, a.batch, a.prompt, a.new_tokens,
                            a.rounds, tuple(a.peers.split(",")), lookup=a.lookup)
     text = bench.table(rows, info)
