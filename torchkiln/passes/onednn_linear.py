@@ -92,7 +92,8 @@ def measure(dtype: torch.dtype, m: int, k: int, n: int, iters: int = 10) -> dict
         return {name: round(2 * m * k * n / median_seconds(fn, iters=iters) / 1e9, 1) for name, fn in paths.items()}
 
 
-def _attr(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+def graph_attr(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads; None for any other node or a non-tensor."""
     if getattr(node, "op", None) != "get_attr":
         return None
     t = gm
@@ -108,7 +109,7 @@ def graph_float_linears(gm: torch.fx.GraphModule) -> list:
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch.ops.aten.linear.default:
-            w = _attr(gm, n.args[1])
+            w = graph_attr(gm, n.args[1])
             if w is not None and w.dtype == torch.float32 and w.dim() == 2:
                 out.append(n)
     return out
@@ -122,8 +123,8 @@ def onednn_linear_graph(gm: torch.fx.GraphModule) -> int:
     the weights are shared, not copied. Returns how many were routed."""
     nodes = graph_float_linears(gm)
     for i, n in enumerate(nodes):
-        w = _attr(gm, n.args[1])
-        b = _attr(gm, n.args[2]) if len(n.args) > 2 and n.args[2] is not None else None
+        w = graph_attr(gm, n.args[1])
+        b = graph_attr(gm, n.args[2]) if len(n.args) > 2 else None
         shell = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
         shell.weight = nn.Parameter(w.detach(), requires_grad=False)
         shell.bias = nn.Parameter(b.detach(), requires_grad=False) if b is not None else None

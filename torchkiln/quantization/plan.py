@@ -9,13 +9,12 @@ inductor without freezing (torchao's tensor subclasses carry their own kernels).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ..passes import registry
-from ..passes.onednn_linear import graph_float_linears
+from ..passes.onednn_linear import graph_attr, graph_float_linears
 from ..plan.cpu import gemm_choice
 from ..recipe import Recipe
 from . import onednn_int8
@@ -34,7 +33,14 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
              "inductor freezing lowers q/dq pairs to oneDNN int8 kernels" if cpu else
              "inductor without freezing: torchao's tensor subclasses bring their kernels"]
     options = (("freezing", True),) if cpu else ()
-    if cpu and qi.backend == "pt2e":
+    gemm = None
+    if cpu and qi.backend == "pt2e" and level != "O0" and not has_conv:
+        # (a conv graph's FLOPs are its convs': a kept head is a small share, and the C++ wrapper is
+        # worth 1.08x on resnet50 int8)
+        gemm = _float_gemm(linears or {}, notes)
+    if gemm is not None:
+        notes.append("inductor's Python wrapper: the C++ one cannot call oneDNN-prepacked linears")
+    elif cpu and qi.backend == "pt2e":
         # inductor's C++ wrapper calls the int8 kernels without Python between them: the same int8-static
         # graph, bs1, one process, interleaved: resnet50 38.7 -> 35.8 ms (1.08x), bert-base 126.7 -> 122.0
         # (1.04x), outputs identical (benchmarks/diag_quant_wrapper.py; RESULTS.md). Compiling takes
@@ -53,15 +59,6 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
     int8_ops = static and onednn_int8.available()
     if int8_ops:
         notes.append("int8 convs: torch's oneDNN quantized modules (TorchScript) timed as a candidate")
-    gemm = None
-    if cpu and qi.backend == "pt2e" and level != "O0" and not has_conv:
-        # (a conv graph's FLOPs are its convs': a kept head is a small share, and the C++ wrapper is
-        # worth 1.08x on resnet50 int8)
-        gemm = _float_gemm(linears or {}, notes)
-        if gemm is not None:
-            options = tuple(o for o in options if o[0] != "cpp_wrapper")
-            notes = [n for n in notes if not n.startswith("inductor's C++ wrapper")]
-            notes.append("inductor's Python wrapper: the C++ one cannot call oneDNN-prepacked linears")
     attention = "sdpa"
     if cpu and qi.backend == "pt2e" and bf16_native:
         # The int8 graph's attention runs in float32 (the quantizer leaves it), torch's flash kernel:
@@ -100,8 +97,8 @@ def linear_shapes(model) -> dict[str, list[tuple[int, int]]]:
         w = n.args[1]
         if n not in kept and getattr(w, "op", None) == "call_function" and w.args:
             w = w.args[0]  # dequantize(int8 weight, ...)
-        if getattr(w, "op", None) == "get_attr":
-            t = functools.reduce(getattr, w.target.split("."), gm)
+        t = graph_attr(gm, w)
+        if t is not None:
             out["float" if n in kept else "int8"].append((t.shape[1], t.shape[0]))
     return out
 
