@@ -1,5 +1,5 @@
 """tk.optimize leaves no trace of the runs that choose a candidate (torchkiln/pristine.py), and
-notices weights replaced after it (optimize.py ``_slots``). References are the same model
+notices weights replaced after it (torchkiln/watch.py). References are the same model
 class run eagerly on a deep copy, call for call."""
 
 import copy

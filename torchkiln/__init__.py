@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "optimize": (".optimize", "optimize"),
     "report": (".optimize", "report"),
+    "refresh": (".optimize", "refresh"),
     "KilnModule": (".optimize", "KilnModule"),
     "check": (".check", "check"),
     "bench": (".bench", "bench"),

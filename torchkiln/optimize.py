@@ -25,7 +25,6 @@ import copy
 import functools
 import gc
 import logging
-import operator
 import statistics
 import threading
 import time
@@ -58,6 +57,7 @@ from .progress import ticks
 from .recipe import Recipe
 from .report import Fallback, Measurement, Report
 from .timing import interleaved
+from .watch import WeightWatch
 
 log = logging.getLogger(__name__)
 VERIFY = ("shapes", "first", "off")
@@ -103,8 +103,7 @@ class KilnModule(OriginalFace):
         s(self, "_order", [])  # candidate names to step down to, in order
         s(self, "_tols", None)
         s(self, "_shapes", set())
-        s(self, "_weights", _slots(self.kiln_original))
-        s(self, "_versions", None)
+        s(self, "_watch", WeightWatch(self.kiln_original))
         s(self, "_snap", None)  # Pristine, while a selection runs
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
 
@@ -217,21 +216,20 @@ class KilnModule(OriginalFace):
             return fn(*args, **kwargs)
 
     def _stale(self) -> bool:
-        # map() over C getters: 31 us for bert-base's 201 tensors on a 2-core Zen 4 (a list
-        # comprehension of the same checks took 45 us; version counters alone, 12 us).
-        return self._versions is not None and self._weight_state() != self._versions
-
-    def _weight_state(self) -> tuple[list, list]:
-        """(versions, storage pointers) of the tensor each weight slot holds now."""
-        now = list(map(dict.get, *self._weights))
-        return list(map(_VERSION, now)), list(map(_PTR, now))
+        return self._watch.changed()
 
     def _remember_weights(self) -> None:
         if self._snap is not None and self._snap.mutated:  # the model's own state (a counter): not weights
-            own = {id(t) for t in self._snap.mutated}
-            kept = [(d, k) for d, k in zip(*self._weights, strict=True) if id(d.get(k)) not in own]
-            object.__setattr__(self, "_weights", ([d for d, _ in kept], [k for _, k in kept]))
-        object.__setattr__(self, "_versions", self._weight_state())
+            self._watch.ignore(self._snap.mutated)
+        # the C check is built only where it will run on every call
+        self._watch.remember(native=self._served is not None and not self._served.live_weights)
+
+    def kiln_refresh(self) -> None:
+        """Rebuild the served candidate from the original's weights on the next call (``tk.refresh``)."""
+        with self._lock:
+            if self._fn is not None:
+                self._reset(choice=self.kiln_report.active)
+            object.__setattr__(self, "_llm", None)
 
     # ------------------------------------------------------------- reference
     def _reference(self, args, kwargs):
@@ -574,9 +572,10 @@ class KilnModule(OriginalFace):
         the served dtype, and again when those weights change (the same version check as a call). If it
         cannot be built, the original's own generate (``own``) runs, as it did before optimize."""
         with self._lock:
-            sig = self._weight_state()
             built = self._llm
-            if built is None or built[1] != sig:
+            if built is None or built[1].changed():
+                watch = WeightWatch(self.kiln_original)
+                watch.remember()
                 from .llm import optimize as llm_optimize
 
                 r = self.kiln_recipe
@@ -588,7 +587,7 @@ class KilnModule(OriginalFace):
                     self.kiln_report.fallbacks.append(Fallback("generate: tk.llm fast decoder", "the model's own "
                                                                "generate", why))
                     fast = None
-                object.__setattr__(self, "_llm", (fast, sig))
+                object.__setattr__(self, "_llm", (fast, watch))
                 if built is None and fast is not None:
                     self.kiln_report.applied.append(f"generate: tk.llm {fast.kiln_report.path} path "
                                                     f"({fast.kiln_report.dtype}; kiln_llm_report has its report)")
@@ -759,6 +758,16 @@ def report(model: nn.Module) -> Report:
     return model.kiln_report
 
 
+def refresh(model: nn.Module) -> None:
+    """Rebuild what serves an optimized model from its original's weights, on its next call. Changes
+    PyTorch records (in-place ops, ``load_state_dict``, ``p.data = t``, a new parameter) are noticed
+    without this; writes through ``p.data`` (``p.data.copy_(t)``) are not: call this after them."""
+    if not isinstance(model, KilnModule):
+        raise TypeError(f"refresh() expects a model returned by tk.optimize() for inference, got "
+                        f"{type(model).__name__} (a training model reads its parameters directly and needs no refresh)")
+    model.kiln_refresh()
+
+
 def _is_graph_break(e: BaseException) -> bool:
     unsupported = getattr(getattr(torch, "_dynamo", None), "exc", None)
     return unsupported is not None and isinstance(e, unsupported.Unsupported)
@@ -780,18 +789,6 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
-
-
-_VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
-
-
-def _slots(model: nn.Module) -> tuple[list[dict], list[str]]:
-    """Where each weight lives: (the modules' _parameters or _buffers dicts, the names). A new
-    Parameter, or ``p.data = t``, shows as a new storage pointer in the slot; an in-place write as
-    a version bump (``KilnModule._stale``)."""
-    slots = [(d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
-             if t is not None]
-    return [d for d, _ in slots], [k for _, k in slots]
 
 
 def _after(first, fn):

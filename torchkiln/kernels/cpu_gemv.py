@@ -3,24 +3,21 @@ an op written in C++ (cpu_gemv.cpp says why) and built here on first use.
 
 The build needs what torch.compile needs on a CPU anyway: a C++ compiler (``$CXX``, else ``c++``)
 and torch's headers. It takes about 10 s on 2 cores, once per machine and torch version: the
-library is cached under ``$XDG_CACHE_HOME/torchkiln/kernels`` (``~/.cache/...``), keyed by the
-source, torch's version and the compiler. Where it cannot be built (another ISA, no AVX2, no
+library is cached (``kernels/build.py``). Where it cannot be built (another ISA, no AVX2, no
 compiler, a compile error), ``load()`` says why and callers keep torch's own kernels.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from . import build
 
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 X_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,24 +25,8 @@ W_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 _lock = threading.Lock()
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchkiln" / "kernels"
-
-
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "c++")
-
-
-def _command(cxx: str, out: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    include = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [arg for p in cpp_extension.library_paths() for arg in (f"-L{p}", f"-Wl,-rpath,{p}")]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    # -fopenmp: at::parallel_for is inline OpenMP; the libgomp already loaded by torch serves it
-    return [cxx, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *include, str(SOURCE), "-o", str(out), *libs,
-            "-lc10", "-ltorch_cpu"]
+    return build.compiler()
 
 
 def _why_not_here() -> str | None:
@@ -60,26 +41,8 @@ def _why_not_here() -> str | None:
 
 
 def _build() -> Path:
-    """The cached library for this source, torch and compiler, compiled if missing (to a temporary
-    name, then renamed: two processes building at once both end with a whole file)."""
-    cxx = _compiler()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
-                                     os.path.realpath(cxx).encode()])).hexdigest()[:16]
-    path = cache_dir() / f"cpu_gemv-{key}.so"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-800:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    # -fopenmp: at::parallel_for is inline OpenMP; the libgomp already loaded by torch serves it
+    return build.build(SOURCE, ["-mavx2", "-mfma", "-fopenmp"], ["-lc10", "-ltorch_cpu"])
 
 
 @functools.cache

@@ -1,0 +1,50 @@
+"""torchkiln/kernels/build.py: the cached compile of torchkiln's C++ sources, and what a failed
+build leaves (a reason, no file; callers keep torch's kernels or the Python form)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from torchkiln.kernels import build, cpu_gemv, weight_watch
+
+has_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
+
+
+def _broken(cxx, source, out, flags, libs, python=False):
+    return [cxx, "-x", "c++", "-c", "/dev/null", "-DX=(", "-o", str(out), "--no-such-flag"]
+
+
+@has_compiler
+def test_a_failed_build_is_a_reason_and_leaves_no_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "command", _broken)
+    if cpu_gemv._why_not_here() is None:
+        assert cpu_gemv.load.__wrapped__().startswith("build failed: compiling cpu_gemv.cpp failed")
+    module, why = weight_watch.load.__wrapped__()
+    assert module is None and why.startswith("build failed: compiling weight_watch.cpp failed")
+    assert not any((tmp_path / "torchkiln" / "kernels").iterdir())  # no half-written library left
+
+
+def test_no_compiler_is_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    module, why = weight_watch.load.__wrapped__()
+    assert module is None and "no C++ compiler found (no-such-compiler-here is not on PATH)" in why
+
+
+@has_compiler
+def test_the_build_is_cached_by_source_torch_and_flags(monkeypatch, tmp_path):
+    """One compile per source, torch, flags and compiler; the second call finds the file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: runs.append(a) or real(*a, **k))
+    libs = ["-lc10", "-ltorch_cpu", "-ltorch_python"]
+    first = build.build(weight_watch.SOURCE, [], libs, python=True)
+    assert first.parent == tmp_path / "torchkiln" / "kernels" and first.stat().st_size > 0
+    assert build.build(weight_watch.SOURCE, [], libs, python=True) == first and len(runs) == 1
+    assert build.build(weight_watch.SOURCE, ["-DTORCHKILN_TEST_FLAG=1"], libs, python=True) != first and len(runs) == 2
+    monkeypatch.setattr(build.torch, "__version__", "0.0.0-other")
+    assert build.build(weight_watch.SOURCE, [], libs, python=True) != first and len(runs) == 3
