@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 VERIFY = ("shapes", "first", "off")
 SCOPES = ("auto", "torchkiln")
 VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
+SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (timing noise on a 2-core VM is ~3%)
 # nn.Module.__call__ as imported. torch.fx's tracer replaces nn.Module.__call__ process-wide while
 # it traces, so a second thread calling the model during another thread's first-call setup
 # (which traces) went through the tracer and failed ("module is not installed as a submodule",
@@ -691,6 +692,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         # generate() goes to the same fast decoder (KilnModule._fast_generate).
         return llm_optimize(model, dtype=compute if dtype is not None else own, device=target,
                             compile=knobs.get("graph_mode") is not False)
+    given = model  # the float model, for quantize='s speed check
     if quantize is not None:
         from .quantization import quantize as _quantize
 
@@ -744,9 +746,44 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
                 object.__setattr__(kiln, "_tick", None)
                 snap.restore()
                 kiln._remember_weights()
+        if given is not model and kiln._fn is not None:
+            _against_float(kiln, given, sample)
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     log.info("%s", report)
     return kiln
+
+
+def _against_float(kiln: KilnModule, given: nn.Module, sample: inputs.Args) -> None:
+    """quantize= on a float model: time the served quantized model against that float model as
+    given (eager, the calls it would have made), and warn when quantizing made it slower. fp8 on
+    bert-base at batch 64 on an H200: the per-row activation scaling costs more than the fp8 GEMMs
+    save, 0.37x torchkiln bf16 (RESULTS.md, twenty-sixth and twenty-seventh sessions)."""
+    dev = torch.device(kiln.kiln_recipe.device)
+    if model_device(given) != dev:
+        return
+    args, kwargs = sample
+    snap = Pristine(given, args, kwargs)
+    fns = {"float": _after(snap.restore, lambda: given(*args, **kwargs)),
+           "served": lambda: kiln(*args, **kwargs)}
+    try:
+        with torch.no_grad():
+            for f in fns.values():
+                f()
+            times = interleaved(fns, dev, min(1.0, kiln._opts["time_budget"]))
+    finally:
+        snap.restore()
+    if len(times["float"]) < 3 or len(times["served"]) < 3:
+        return
+    served, floating = statistics.median(times["served"]), statistics.median(times["float"])
+    ratio = floating / served
+    kiln.kiln_report.speedup["vs_float_model_as_given"] = round(ratio, 3)
+    if ratio < SLOWER:
+        scheme = kiln.kiln_report.quantization.get("scheme", "this scheme") if kiln.kiln_report.quantization else \
+            "this scheme"
+        warn_once(f"quant-slower:{scheme}:{dev.type}",
+                  f"torchkiln: the {scheme}-quantized model ({served * 1e3:.3g} ms a call) is slower than the float "
+                  f"model as given ({floating * 1e3:.3g} ms) on these inputs: quantizing saves memory here, not time. "
+                  "Serve the float model through tk.optimize(model, dtype=...) if speed is the goal", owner=kiln)
 
 
 def report(model: nn.Module) -> Report:

@@ -594,3 +594,27 @@ def test_a_causal_lm_keeps_generate_and_static_schemes_say_why_not():
     for scheme in ("int8-static", "int8-smoothquant"):
         with pytest.raises(ValueError, match=f"{scheme}.*torch.export.*causal LM use 'int8-dynamic'"):
             tk.quantize(model, scheme, calib_data=[{"input_ids": ids}])
+
+
+def test_quantize_in_optimize_is_timed_against_the_float_model(monkeypatch):
+    """optimize(quantize=) times the served quantized model against the float model as given and
+    warns when it is slower (SLOWER moved so each branch is taken whatever this machine measures)."""
+    import importlib
+
+    optimize_module = importlib.import_module("torchkiln.optimize")  # tk.optimize is the function
+    m, x = mlp(), data()[0]
+    monkeypatch.setattr(optimize_module, "SLOWER", float("inf"))
+    with pytest.warns(UserWarning, match=r"the int8-dynamic-quantized model \([\d.e-]+ ms a call\) is slower than "
+                                         r"the float model as given \([\d.e-]+ ms\)"):
+        fast = tk.optimize(m, quantize="int8-dynamic", sample_input=x, time_budget=0.2)
+    ratio = fast.kiln_report.speedup["vs_float_model_as_given"]
+    assert 0.01 < ratio < 100, ratio
+    monkeypatch.setattr(optimize_module, "SLOWER", 0.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = tk.optimize(m, quantize="int8-dynamic", sample_input=x, time_budget=0.2)
+    assert not [w for w in seen if "slower than the float model" in str(w.message)]
+    assert "vs_float_model_as_given" in again.kiln_report.speedup
+    q = quiet(tk.quantize, m, "int8-dynamic", calib_data=[x])
+    served = quiet(tk.optimize, q, sample_input=x, time_budget=0.2)  # no float model given: nothing to compare
+    assert "vs_float_model_as_given" not in served.kiln_report.speedup
