@@ -25,6 +25,61 @@ def gpu_us(fn, iters: int = 20) -> float:
     return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
 
 
+def synced_ms(fns: dict, rounds: int, iters: int) -> dict[str, float]:
+    """Median wall ms per call of each CUDA function: ``iters`` calls between two synchronisations,
+    in ``rounds`` interleaved rounds."""
+    import time
+
+    wall = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(iters):
+                f()
+            torch.cuda.synchronize()
+            wall[name].append((time.perf_counter() - t) / iters * 1e3)
+    return {name: statistics.median(w) for name, w in wall.items()}
+
+
+def bert_bf16_cuda(batch: int):
+    """bert-base from the zoo in bf16 on the GPU, and its input (seq 128)."""
+    from torchkiln.zoo import load
+
+    model, x = load("bert-base", batch=batch)
+    return model.to("cuda").to(torch.bfloat16).eval(), {k: v.to("cuda") for k, v in x.items()}
+
+
+def build_bert(builds: dict, reference, x: dict, against: str) -> dict:
+    """Build each bert variant (three calls), print its relative L2 difference to ``reference``'s
+    last hidden state (a failure is printed, not raised); {name: a call on ``x``} of those built."""
+    fns = {}
+    with torch.no_grad():
+        ref = reference(**x).last_hidden_state.float()
+        for name, build in builds.items():
+            try:
+                m = build()
+                for _ in range(3):
+                    out = m(**x)
+                err = float((out.last_hidden_state.float() - ref).norm() / ref.norm())
+                fns[name] = lambda m=m: m(**x)
+                print(f"{name}: rel L2 vs {against} {err:.4f}"
+                      + (f", served {m.kiln_report.active}" if hasattr(m, "kiln_report") else ""))
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}")
+    return fns
+
+
+def fp8_args(doc: str):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
+    return ap.parse_args()
+
+
 def _first(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
