@@ -33,7 +33,7 @@ def watched(m, native: bool, monkeypatch):
         monkeypatch.setattr(watch_mod, "_native", lambda build: None)
     w = WeightWatch(m)
     w.remember()
-    assert (w._native is not None) == native
+    assert w.native == native
     return w
 
 
