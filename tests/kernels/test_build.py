@@ -48,3 +48,14 @@ def test_the_build_is_cached_by_source_torch_and_flags(monkeypatch, tmp_path):
     assert build.build(weight_watch.SOURCE, ["-DTORCHKILN_TEST_FLAG=1"], libs, python=True) != first and len(runs) == 2
     monkeypatch.setattr(build.torch, "__version__", "0.0.0-other")
     assert build.build(weight_watch.SOURCE, [], libs, python=True) != first and len(runs) == 3
+
+
+def test_missing_python_headers_are_a_reason_before_any_compile(monkeypatch, tmp_path):
+    import sysconfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    real = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "include": str(tmp_path / "none")})
+    monkeypatch.setattr(build, "build", lambda *a, **k: pytest.fail("compiled without Python's headers"))
+    module, why = weight_watch.load.__wrapped__()
+    assert module is None and "Python's headers are not installed" in why and "python3-dev" in why

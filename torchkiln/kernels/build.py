@@ -7,6 +7,7 @@ version, Python and compiler, under ``$XDG_CACHE_HOME/torchkiln/kernels`` (``~/.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("torchkiln")
 
 
 def cache_dir() -> Path:
@@ -52,6 +55,8 @@ def build(source: Path, flags: list[str], libs: list[str], python: bool = False)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("torchkiln: compiling %s (once per machine, torch and Python; a few seconds) into %s", source.name,
+             path.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:

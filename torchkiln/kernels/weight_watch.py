@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import importlib.util
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -21,6 +22,9 @@ _lock = threading.Lock()
 @functools.cache
 def load():
     """(the module, None), or (None, why not in words)."""
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    if not headers.exists():  # slim images ship Python without its headers: say so, and compile nothing
+        return None, f"Python's headers are not installed ({headers} is missing; e.g. apt install python3-dev)"
     with _lock:
         try:
             path = build.build(SOURCE, [], ["-lc10", "-ltorch_cpu", "-ltorch_python"], python=True)
