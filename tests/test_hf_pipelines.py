@@ -49,3 +49,20 @@ def test_feature_extraction_pipeline_matches(tok):
     got = np.array(T.pipeline("feature-extraction", model=fast, tokenizer=tok)(TEXT))
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()  # float32: the guard's bound
+
+
+def test_inputs_made_under_inference_mode(tok):
+    """Tokenizing inside torch.inference_mode() gives inference tensors, which have no version counter:
+    reading it (the selection's snapshot, the all-ones mask check) raised on the first call."""
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=96, pad_token_id=0)).eval()
+    fast = tk.optimize(bert, time_budget=0, candidates="torchkiln")
+    with torch.inference_mode():
+        batch = dict(tok([TEXT, "w9 w8"], return_tensors="pt", padding=True))
+        assert batch["attention_mask"].is_inference()
+        got = [fast(**batch).last_hidden_state for _ in range(2)]  # the selection, then a served call
+        want = bert(**batch).last_hidden_state
+    assert fast.kiln_report.active.startswith("torchkiln compiled")
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)

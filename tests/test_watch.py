@@ -159,3 +159,34 @@ def test_refresh_rebuilds_after_writes_through_data():
 def test_refresh_names_what_it_expects():
     with pytest.raises(TypeError, match="refresh\\(\\) expects a model returned by tk.optimize\\(\\).*Sequential"):
         tk.refresh(model())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
+def test_weights_made_under_inference_mode(native, monkeypatch):
+    """Inference tensors have no version counter (reading it raises; in C it aborted the process):
+    replacing them is still seen, in-place writes (possible only in inference mode) are not."""
+    with torch.inference_mode():
+        m = model()
+    assert m[0].weight.is_inference()
+    w = watched(m, native, monkeypatch)
+    assert not w.changed()
+    with torch.inference_mode():
+        m[0].weight.mul_(2)
+    assert not w.changed()  # the documented blind spot (watch.py)
+    data_swap(m)
+    assert w.changed()
+    w.remember()
+    new_parameter(m)
+    assert w.changed()
+
+
+def test_optimize_serves_a_model_made_under_inference_mode():
+    with torch.inference_mode():
+        m = model()
+        x = torch.randn(4, 8)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    assert not o._served.live_weights  # compiled, or eager with the BatchNorm folded: copies, so checked
+    with torch.no_grad():
+        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+        m[2].weight = nn.Parameter(torch.randn(4, 8))  # a replaced weight is still seen
+        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import inputs, stock
 from ._log import warn_once
-from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model_dtype
+from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model_dtype, version
 from .passes import registry
 from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
@@ -119,7 +119,7 @@ class KilnCall:
         m = kwargs.get("attention_mask")
         if not (isinstance(m, torch.Tensor) and m.dim() == 2):
             return kwargs
-        key = (m._version, m.data_ptr())
+        key = (version(m), m.data_ptr())
         last = self._mask
         if last is not None and last[0]() is m and last[1] == key:
             ones = last[2]

@@ -81,9 +81,20 @@ def tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, or -1 for an inference tensor (made under ``torch.inference_mode()``),
+    which has none: reading it raises. Such a tensor can only be written in place inside inference
+    mode, so its writes are not seen here (tokenizer outputs made under inference_mode crashed every
+    call before this)."""
+    try:  # not t.is_inference(): an inference parameter given a normal tensor through .data says False and has none
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def fingerprint(ts: list[torch.Tensor]) -> tuple:
     """Changes when any tensor is replaced or written in place (version counters)."""
-    return tuple((id(t), t._version) for t in ts)
+    return tuple((id(t), version(t)) for t in ts)
 
 
 def keeps_mode(fn):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import inputs
+from .modelutil import version
 
 _PLAIN = (int, float, bool, str, type(None))
 
@@ -24,7 +25,7 @@ class Pristine:
         # Clones are cheap next to the runs they protect (buffers are small beside the weights);
         # restore() copies back only what a run changed, found by version counter.
         buffers = list(model.buffers())
-        self._tensors = [(t, t._version, t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
+        self._tensors = [(t, version(t), t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
         self._attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN and not k.startswith("_")})
                        for m in model.modules()]
         self._n_buffers = len(buffers)
@@ -33,13 +34,13 @@ class Pristine:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for i, (t, version, saved) in enumerate(self._tensors):
-                if t._version != version:
+            for i, (t, v, saved) in enumerate(self._tensors):
+                if version(t) != v:
                     if i < self._n_buffers and not any(t is m for m in self.mutated):
                         self.mutated.append(t)
                     t.copy_(saved)
                     self.changed = True
-                    self._tensors[i] = (t, t._version, saved)
+                    self._tensors[i] = (t, version(t), saved)
         for m, saved in self._attrs:
             for k, v in saved.items():
                 if vars(m).get(k, v) is not v:

@@ -10,8 +10,10 @@ module's ``_parameters`` or ``_buffers`` entry) is checked on each call for:
 - a new storage pointer (``p.data = t``, which keeps the version).
 
 Not seen: in-place writes through ``p.data`` (``p.data.mul_(2)``, ``p.data.copy_(t)``). ``p.data``
-is a new tensor with its own version counter, so nothing on ``p`` records the write; after such
-writes call ``tk.refresh(model)``.
+is a new tensor with its own version counter, so nothing on ``p`` records the write. Nor in-place
+writes to weights made under ``torch.inference_mode()``: inference tensors have no version counter
+(a new tensor in the slot, or ``p.data = t``, is still seen). After such writes call
+``tk.refresh(model)``.
 
 The check runs on every call, so its cost matters: in C (``kernels/weight_watch.cpp``) where it
 can be built, else the same test in Python.
@@ -64,7 +66,13 @@ class WeightWatch:
                     if isinstance(t, torch.Tensor)]
             self._dicts, self._keys, now = [d for d, _, _ in kept], [k for _, k, _ in kept], [t for *_, t in kept]
         c = _native(build=native)
-        state = c.snapshot(now) if c is not None else (list(map(_VERSION, now)), list(map(_PTR, now)))
+        try:
+            state = c.snapshot(now) if c is not None else None
+        except RuntimeError as e:  # not expected (the C form handles what it knows): Python answers alike
+            log.info("torchkiln: the C weight check failed (%s); using the Python form", e)
+            c = state = None
+        if c is None:
+            state = (_versions(now), list(map(_PTR, now)))
         self._seen = (self._dicts, self._keys, now, state, c)
 
     def changed(self) -> bool:
@@ -80,7 +88,21 @@ class WeightWatch:
         # for mobilenet-v2's 312 right after a call (the C form: 30-47)
         if not all(map(operator.is_, now, tensors)):
             return True
-        return (list(map(_VERSION, now)), list(map(_PTR, now))) != state
+        return (_versions(now), list(map(_PTR, now))) != state
+
+
+def _versions(tensors: list) -> list[int]:
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:  # inference tensors (made under torch.inference_mode()) have no version counter
+        return list(map(_version_or_none, tensors))
+
+
+def _version_or_none(t: torch.Tensor) -> int:
+    try:  # not t.is_inference(): an inference parameter given a normal tensor through .data says False and has none
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def _native(build: bool):

@@ -15,6 +15,14 @@
 
 namespace {
 
+// Inference tensors (made under torch.inference_mode()) have no version counter: reading it throws,
+// and a C++ exception must not cross into Python. One fixed value for them (watch.py says what that
+// leaves unseen).
+int64_t version(const c10::TensorImpl* impl) {
+  const auto& counter = impl->version_counter();  // none on an inference tensor, nor on one whose .data was
+  return counter.enabled() ? static_cast<int64_t>(counter.current_version()) : -1;  // swapped for a normal one
+}
+
 int64_t storage_ptr(const c10::TensorImpl* impl) {
   try {  // sparse and some subclass tensors have no storage to read: one fixed value for them
     return impl->has_storage() ? reinterpret_cast<intptr_t>(impl->storage().data()) : -1;
@@ -30,7 +38,7 @@ bool is_list(PyObject* o, const char* what) {
 }
 
 // snapshot(tensors: list[Tensor]) -> bytes: (version, storage pointer) of each, as int64 pairs
-PyObject* snapshot(PyObject*, PyObject* tensors) {
+PyObject* snapshot_(PyObject* tensors) {
   if (!is_list(tensors, "tensors")) return nullptr;
   Py_ssize_t n = PyList_GET_SIZE(tensors);
   PyObject* out = PyBytes_FromStringAndSize(nullptr, n * 2 * sizeof(int64_t));
@@ -44,7 +52,7 @@ PyObject* snapshot(PyObject*, PyObject* tensors) {
       return nullptr;
     }
     const c10::TensorImpl* impl = THPVariable_Unpack(t).unsafeGetTensorImpl();
-    s[2 * i] = static_cast<int64_t>(impl->version_counter().current_version());
+    s[2 * i] = version(impl);
     s[2 * i + 1] = storage_ptr(impl);
   }
   return out;
@@ -52,7 +60,7 @@ PyObject* snapshot(PyObject*, PyObject* tensors) {
 
 // changed(dicts, keys, tensors, state) -> bool: does dicts[i][keys[i]] still hold tensors[i], at the
 // version and storage pointer ``state`` (from snapshot) recorded?
-PyObject* changed(PyObject*, PyObject* args) {
+PyObject* changed_(PyObject* args) {
   PyObject *dicts, *keys, *tensors, *state;
   if (!PyArg_ParseTuple(args, "OOOO!", &dicts, &keys, &tensors, &PyBytes_Type, &state)) return nullptr;
   if (!is_list(dicts, "dicts") || !is_list(keys, "keys") || !is_list(tensors, "tensors")) return nullptr;
@@ -85,12 +93,27 @@ PyObject* changed(PyObject*, PyObject* args) {
   for (Py_ssize_t i = 0; i < n; ++i) {  // the snapshot's own tensors: checked to be tensors when taken
     const c10::TensorImpl* impl =
         i < m ? impls[i] : THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).unsafeGetTensorImpl();
-    if (static_cast<int64_t>(impl->version_counter().current_version()) != s[2 * i] ||
+    if (version(impl) != s[2 * i] ||
         storage_ptr(impl) != s[2 * i + 1])
       Py_RETURN_TRUE;
   }
   Py_RETURN_FALSE;
 }
+
+// A C++ exception must never reach Python's C API (it would abort the process): it becomes a RuntimeError.
+template <typename F>
+PyObject* guarded(F f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* snapshot(PyObject*, PyObject* tensors) { return guarded([&] { return snapshot_(tensors); }); }
+
+PyObject* changed(PyObject*, PyObject* args) { return guarded([&] { return changed_(args); }); }
 
 PyMethodDef methods[] = {
     {"snapshot", snapshot, METH_O, "(version, storage pointer) of each tensor, as int64 pairs"},
