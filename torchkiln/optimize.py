@@ -197,6 +197,13 @@ class KilnModule(OriginalFace):
         if self._snap is not None:
             self._snap.restore()
 
+    def _replaced_state(self) -> list[str]:
+        """Buffers the runs so far replaced (found when put back)."""
+        if self._snap is None:
+            return []
+        self._snap.restore()
+        return self._snap.replaced
+
     def _for_real(self, fn, args, kwargs):
         """The caller's call, after the choosing runs: from the state they found, once."""
         self._restore()
@@ -310,6 +317,12 @@ class KilnModule(OriginalFace):
             if passed:
                 break
         report.candidates = list(measures.values())
+        replaced = self._replaced_state()
+        if replaced:
+            # Only the model's own modules can carry state kept by replacing a tensor: a copy (cast,
+            # traced, compiled) would replace its own, and the original's would never advance.
+            return self._serve_original(args, kwargs, ref, f"forward replaces buffer(s) {', '.join(replaced[:3])} "
+                                        "with new tensors (state only the model's own modules keep)")
         if not passed:
             return self._serve_original(args, kwargs, ref, "no candidate passed the numeric guard")
         ts = time.perf_counter()
