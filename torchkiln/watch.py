@@ -7,7 +7,8 @@ module's ``_parameters`` or ``_buffers`` entry) is checked on each call for:
 - another object in the slot (``m.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``);
 - a version bump (an in-place write PyTorch sees: ``with torch.no_grad(): p.mul_(...)``, an
   optimizer step, ``load_state_dict``);
-- a new storage pointer (``p.data = t``, which keeps the version).
+- a new storage pointer (``p.data = t``, which keeps the version);
+- another module in a submodule slot (``model.fc = nn.Linear(...)``).
 
 Not seen: in-place writes through ``p.data`` (``p.data.mul_(2)``, ``p.data.copy_(t)``). ``p.data``
 is a new tensor with its own version counter, so nothing on ``p`` records the write. Nor in-place
@@ -37,9 +38,14 @@ class WeightWatch:
         slots = [(d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
                  if t is not None]
         self._dicts, self._keys = [d for d, _ in slots], [k for _, k in slots]
+        # Submodule slots, for identity only: a layer swapped after optimize (model.fc = nn.Linear(...))
+        # brings weights no tensor slot above holds; it served the old layer's answers before.
+        self._mod_dicts = [m._modules for m in model.modules() for _ in m._modules]
+        self._mod_keys = [k for m in model.modules() for k in m._modules]
         # remember()'s snapshot, one tuple assigned at once, so a call checking on another thread
         # never pairs one snapshot's tensors with another's versions:
-        # (dicts, keys, the tensors they held, their (version, pointer) state, the C module or None)
+        # (dicts, keys, what they held: tensors then submodules, the tensors' (version, pointer) state,
+        #  the C module or None, how many tensors)
         self._seen: tuple | None = None
 
     def __len__(self) -> int:
@@ -73,22 +79,24 @@ class WeightWatch:
             c = state = None
         if c is None:
             state = (_versions(now), list(map(_PTR, now)))
-        self._seen = (self._dicts, self._keys, now, state, c)
+        # tensor slots first, then submodule slots (identity only): the C form's layout
+        mods = list(map(dict.get, self._mod_dicts, self._mod_keys))
+        self._seen = (self._dicts + self._mod_dicts, self._keys + self._mod_keys, now + mods, state, c, len(now))
 
     def changed(self) -> bool:
         """Has any slot changed since ``remember()``? (False before it: nothing to compare with.)"""
         seen = self._seen
         if seen is None:
             return False
-        dicts, keys, tensors, state, c = seen
+        dicts, keys, objs, state, c, n = seen
         if c is not None:
-            return c.changed(dicts, keys, tensors, state)
+            return c.changed(dicts, keys, objs, state)
         now = list(map(dict.get, dicts, keys))
         # map() over C getters: 31 us for bert-base's 201 tensors on a 2-core Zen 4, hot; 144-240 us
         # for mobilenet-v2's 312 right after a call (the C form: 30-47)
-        if not all(map(operator.is_, now, tensors)):
+        if not all(map(operator.is_, now, objs)):
             return True
-        return (_versions(now), list(map(_PTR, now))) != state
+        return (_versions(now[:n]), list(map(_PTR, now[:n]))) != state
 
 
 def _versions(tensors: list) -> list[int]:

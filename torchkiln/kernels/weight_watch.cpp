@@ -58,23 +58,27 @@ PyObject* snapshot_(PyObject* tensors) {
   return out;
 }
 
-// changed(dicts, keys, tensors, state) -> bool: does dicts[i][keys[i]] still hold tensors[i], at the
-// version and storage pointer ``state`` (from snapshot) recorded?
+// changed(dicts, keys, objs, state) -> bool: does dicts[i][keys[i]] still hold objs[i] (identity), and
+// are the first len(state)/16 of them (the tensors ``snapshot`` read) at the version and storage
+// pointer it recorded? The rest are other slots watched for identity only (submodules).
 PyObject* changed_(PyObject* args) {
   PyObject *dicts, *keys, *tensors, *state;
   if (!PyArg_ParseTuple(args, "OOOO!", &dicts, &keys, &tensors, &PyBytes_Type, &state)) return nullptr;
-  if (!is_list(dicts, "dicts") || !is_list(keys, "keys") || !is_list(tensors, "tensors")) return nullptr;
-  Py_ssize_t n = PyList_GET_SIZE(tensors);
-  if (PyList_GET_SIZE(dicts) != n || PyList_GET_SIZE(keys) != n ||
-      PyBytes_GET_SIZE(state) != n * 2 * static_cast<Py_ssize_t>(sizeof(int64_t))) {
-    PyErr_SetString(PyExc_ValueError, "dicts, keys, tensors and state must describe the same slots");
+  if (!is_list(dicts, "dicts") || !is_list(keys, "keys") || !is_list(tensors, "objs")) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  const Py_ssize_t pair = 2 * static_cast<Py_ssize_t>(sizeof(int64_t));
+  const Py_ssize_t t = PyBytes_GET_SIZE(state) / pair;
+  if (PyList_GET_SIZE(dicts) != n || PyList_GET_SIZE(keys) != n || t > n || PyBytes_GET_SIZE(state) % pair) {
+    PyErr_SetString(PyExc_ValueError, "dicts, keys, objs and state must describe the same slots");
     return nullptr;
   }
+  // objs[:t] are the very list snapshot() checked to hold tensors (watch.py passes them back
+  // unchanged): not checked again here, where an isinstance per tensor would cost more than the rest.
   // The reads below miss the cache right after a model call; issue the TensorImpl loads first (they
   // are independent, so the CPU overlaps them) and do the dictionary lookups while they land.
   constexpr Py_ssize_t kAhead = 1024;
   const c10::TensorImpl* impls[kAhead];
-  const Py_ssize_t m = n < kAhead ? n : kAhead;
+  const Py_ssize_t m = t < kAhead ? t : kAhead;
   for (Py_ssize_t i = 0; i < m; ++i) {
     impls[i] = THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).unsafeGetTensorImpl();
     __builtin_prefetch(impls[i]);
@@ -90,7 +94,7 @@ PyObject* changed_(PyObject* args) {
     if (now != PyList_GET_ITEM(tensors, i)) Py_RETURN_TRUE;
   }
   const auto* s = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(state));
-  for (Py_ssize_t i = 0; i < n; ++i) {  // the snapshot's own tensors: checked to be tensors when taken
+  for (Py_ssize_t i = 0; i < t; ++i) {
     const c10::TensorImpl* impl =
         i < m ? impls[i] : THPVariable_Unpack(PyList_GET_ITEM(tensors, i)).unsafeGetTensorImpl();
     if (version(impl) != s[2 * i] ||
