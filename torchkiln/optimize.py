@@ -589,7 +589,7 @@ class KilnModule(OriginalFace):
             built = self._llm
             if built is None or built[1].changed():
                 watch = WeightWatch(self.kiln_original)
-                watch.remember()
+                watch.remember(native=False)  # checked once per generate() call: not worth a compile
                 from .llm import optimize as llm_optimize
 
                 r = self.kiln_recipe
@@ -791,8 +791,7 @@ def _against_float(kiln: KilnModule, given: nn.Module, sample: inputs.Args) -> N
     ratio = floating / served
     kiln.kiln_report.speedup["vs_float_model_as_given"] = round(ratio, 3)
     if ratio < SLOWER:
-        scheme = kiln.kiln_report.quantization.get("scheme", "this scheme") if kiln.kiln_report.quantization else \
-            "this scheme"
+        scheme = (kiln.kiln_report.quantization or {}).get("scheme", "this scheme")
         warn_once(f"quant-slower:{scheme}:{dev.type}",
                   f"torchkiln: the {scheme}-quantized model ({served * 1e3:.3g} ms a call) is slower than the float "
                   f"model as given ({floating * 1e3:.3g} ms) on these inputs: quantizing saves memory here, not time. "

@@ -31,19 +31,19 @@ class Pristine:
         self._n_buffers = len(buffers)
         # A forward that replaces a buffer (``self.n = self.n + 1``) leaves the old tensor untouched
         # and a new one in the slot: found by slot, not by version, and the old one put back.
-        self._slots = [(name, m._buffers, k, t) for name, m in model.named_modules() for k, t in m._buffers.items()
-                       if t is not None]
+        self._slots = [(f"{name}.{k}" if name else k, m._buffers, k, t) for name, m in model.named_modules()
+                       for k, t in m._buffers.items() if t is not None]
         self.mutated: list[torch.Tensor] = []  # buffers a run changed: the model's own state
-        self.replaced: list[str] = []  # buffers a run replaced with new tensors (module.name)
+        self.replaced: list[str] = []  # buffers a run replaced with new tensors (qualified names)
         self.changed = False  # did any run change a buffer, an attribute or an input?
 
     def restore(self) -> None:
-        for owner, d, k, t in self._slots:
+        for qualified, d, k, t in self._slots:
             if d.get(k) is not t:
                 d[k] = t
                 self.changed = True
-                if f"{owner}.{k}".lstrip(".") not in self.replaced:
-                    self.replaced.append(f"{owner}.{k}".lstrip("."))
+                if qualified not in self.replaced:
+                    self.replaced.append(qualified)
         with torch.no_grad():
             for i, (t, v, saved) in enumerate(self._tensors):
                 if version(t) != v:

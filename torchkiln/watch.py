@@ -28,6 +28,8 @@ import operator
 import torch
 from torch import nn
 
+from .modelutil import version
+
 log = logging.getLogger("torchkiln")
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
 _warned = []
@@ -40,16 +42,13 @@ class WeightWatch:
         self._dicts, self._keys = [d for d, _ in slots], [k for _, k in slots]
         # Submodule slots, for identity only: a layer swapped after optimize (model.fc = nn.Linear(...))
         # brings weights no tensor slot above holds; it served the old layer's answers before.
-        self._mod_dicts = [m._modules for m in model.modules() for _ in m._modules]
-        self._mod_keys = [k for m in model.modules() for k in m._modules]
+        mods = [(m._modules, k) for m in model.modules() for k in m._modules]
+        self._mod_dicts, self._mod_keys = [d for d, _ in mods], [k for _, k in mods]
         # remember()'s snapshot, one tuple assigned at once, so a call checking on another thread
         # never pairs one snapshot's tensors with another's versions:
         # (dicts, keys, what they held: tensors then submodules, the tensors' (version, pointer) state,
         #  the C module or None, how many tensors)
         self._seen: tuple | None = None
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
     @property
     def native(self) -> bool:
@@ -103,14 +102,7 @@ def _versions(tensors: list) -> list[int]:
     try:
         return list(map(_VERSION, tensors))
     except RuntimeError:  # inference tensors (made under torch.inference_mode()) have no version counter
-        return list(map(_version_or_none, tensors))
-
-
-def _version_or_none(t: torch.Tensor) -> int:
-    try:  # not t.is_inference(): an inference parameter given a normal tensor through .data says False and has none
-        return t._version
-    except RuntimeError:
-        return -1
+        return list(map(version, tensors))
 
 
 def _native(build: bool):

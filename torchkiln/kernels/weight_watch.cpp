@@ -6,7 +6,8 @@
 // after another, and right after a model call each read misses the cache. mobilenet-v2's 312
 // weights took 144-240 us a call that way, 4-7% of its 3.4-ms bf16 call, on a 2-core Zen 5; this loop
 // lets the CPU overlap those misses: 30-47 us, 39 with the TensorImpl prefetch below (which the
-// dictionary lookups, ~28 us of it, then hide). RESULTS.md, twenty-seventh session.
+// dictionary lookups, ~28 us of it, then hide); ~50 us once its 210 submodule slots were watched
+// too. RESULTS.md, twenty-seventh session.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
