@@ -72,6 +72,18 @@ def flatten(obj) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
+def need_grad(args, kwargs) -> bool:
+    """Does any input tensor require grad? Runs on calls made with grad mode on, so top-level
+    tensors are read directly and only containers take pytree's walk."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                return True
+        elif isinstance(v, (list, tuple, dict)) and any(t.requires_grad for t in flatten(v)):
+            return True
+    return False
+
+
 def to(args: Args, device=None, dtype=None) -> Args:
     """Move inputs; cast only floating tensors (token ids stay integers)."""
 

@@ -34,10 +34,11 @@ from torch import nn
 
 from . import _log, inputs
 from ._log import warn_once
-from .candidates import Candidate, applied_for, candidates
+from .candidates import Candidate, OnDevice, applied_for, candidates
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
+from .hookwatch import HookWatch
 from .modelutil import (
     DTYPES,
     dtype_name,
@@ -70,6 +71,18 @@ SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (
 # test_concurrent_first_call_without_sample_selects_once, 1 run in CI); bound here, the call
 # reaches forward's lock and waits for the setup instead.
 _MODULE_CALL = getattr(nn.Module, "_wrapped_call_impl", nn.Module.__call__)  # what __call__ is, unpatched
+# Calls only the original's own modules answer right: (what, why, how to get the fast path back).
+# Both were silent before (the twenty-eighth session's probes, benchmarks/RESULTS.md): a perceptual-loss
+# network's gradient to the generator was dropped (rel 1.7e-2 on the generator's weight grad), and a
+# hook registered after optimize never fired.
+_OWN_CALLS = {
+    "grad": ("calls whose inputs require grad (grad mode on)", "the original model (eager, with autograd)",
+             "the optimized forms run without autograd, so no gradient would flow back to the inputs; call it "
+             "under torch.no_grad(), or with inputs that don't require grad, for the fast path"),
+    "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
+              "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
+              "call them; remove them, or tk.optimize again with them in place, for the fast path"),
+}
 
 
 class KilnModule(OriginalFace):
@@ -105,6 +118,7 @@ class KilnModule(OriginalFace):
         s(self, "_tols", None)
         s(self, "_shapes", set())
         s(self, "_watch", WeightWatch(self.kiln_original))
+        s(self, "_hooks", HookWatch(self.kiln_original))
         s(self, "_snap", None)  # Pristine, while a selection runs
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
 
@@ -135,6 +149,11 @@ class KilnModule(OriginalFace):
         return _MODULE_CALL(self, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and inputs.need_grad(args, kwargs):
+            return self._own_call(args, kwargs, "grad")
+        served = self._served
+        if served is not None and not served.live_weights and self._hooks.changed():
+            return self._own_call(args, kwargs, "hooks")  # (live_weights: it runs the original's modules)
         fn = self._fn
         new_shape = fn is not None and self._check_shape(args, kwargs)
         # A CUDA-graph replay is checked for changed weights after it is queued, while the GPU runs it:
@@ -210,11 +229,24 @@ class KilnModule(OriginalFace):
         self._remember_weights()
         return self._serve(fn, args, kwargs)
 
-    def _serve(self, fn, args, kwargs):
+    def _own_call(self, args, kwargs, key: str):
+        """Answer this call with the original model itself; say so once."""
+        step, to, why = _OWN_CALLS[key]
+        fallbacks = self.kiln_report.fallbacks
+        if not any(f.step == step for f in fallbacks):
+            fallbacks.append(Fallback(step, to, why))
+        warn_once(key, f"torchkiln: {step} run {to}: {why}", stacklevel=7, owner=self)  # the caller of fast(...), past nn.Module.__call__
+        self._inference_only()
+        return OnDevice(self.kiln_original)(*args, **kwargs)
+
+    def _inference_only(self) -> None:
         if self.kiln_original.training:
             raise RuntimeError("the original model was put in training mode after tk.optimize(); the optimized "
                                "model serves inference only. Call model.eval() on it, or optimize with optimizer= "
                                "for training")
+
+    def _serve(self, fn, args, kwargs):
+        self._inference_only()
         if self._served.cuda_graphs:
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
@@ -231,6 +263,7 @@ class KilnModule(OriginalFace):
             self._watch.ignore(self._snap.mutated)
         # the C check is built only where it will run on every call
         self._watch.remember(native=self._served is not None and not self._served.live_weights)
+        self._hooks.remember()
 
     def kiln_refresh(self) -> None:
         """Rebuild the served candidate from the original's weights on the next call (``tk.refresh``)."""

@@ -1,0 +1,172 @@
+"""Calls only the original's own modules answer right (torchkiln/optimize.py ``_own_call``,
+torchkiln/hookwatch.py): inputs that require grad, and forward hooks that changed after optimize.
+References are the same model run eagerly (a deep copy, or the original itself), call for call."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+from torchkiln.hookwatch import HookWatch
+from torchkiln.optimize import KilnModule
+
+
+def features():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
+
+
+@pytest.fixture
+def served():
+    """A feature network served by torchkiln's own (traced/compiled) form, which holds its own weights."""
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        fast(x)
+    assert not fast._served.live_weights, fast.kiln_report.active  # else these tests test nothing
+    return model, fast, x
+
+
+def counting(monkeypatch):
+    routed = []
+    own = KilnModule._own_call
+    monkeypatch.setattr(KilnModule, "_own_call", lambda self, a, k, key: routed.append(key) or own(self, a, k, key))
+    return routed
+
+
+def generator_grad(net, gen, x):
+    """A perceptual loss: the frozen network's output on the generator's output is part of the loss."""
+    gen.zero_grad()
+    out = gen(x)
+    ((out - x).pow(2).mean() + net(out).pow(2).mean()).backward()
+    return gen.weight.grad.clone()
+
+
+def test_gradients_flow_through_to_inputs_that_require_them(served):
+    """The generator's gradient through the optimized network equals the one through the original
+    (it was silently missing the network's term: rel 1.7e-2); warned once, and in the report."""
+    model, fast, x = served
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(1)
+    gen = nn.Conv2d(3, 3, 3, padding=1)
+    ref = generator_grad(copy.deepcopy(model), gen, x)
+    with pytest.warns(UserWarning, match="inputs require grad"):
+        got = generator_grad(fast, gen, x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        generator_grad(fast, gen, x)
+    assert [f.to for f in fast.kiln_report.fallbacks if "require grad" in f.step] == [
+        "the original model (eager, with autograd)"]
+
+
+def test_inputs_without_grad_stay_on_the_fast_path(served, monkeypatch):
+    """Grad mode on (the default) with plain inputs, or inputs that require grad under no_grad: served."""
+    model, fast, x = served
+    routed = counting(monkeypatch)
+    out = fast(x)
+    with torch.no_grad():
+        out2 = fast(x.clone().requires_grad_(True))
+    assert routed == [] and not out.requires_grad
+    torch.testing.assert_close(out2, out)
+    with pytest.warns(UserWarning, match="inputs require grad"):
+        assert fast(x.clone().requires_grad_(True)).requires_grad
+    assert routed == ["grad"]
+
+
+def test_a_tensor_in_a_container_that_requires_grad_is_seen():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, xs):
+            return self.lin(xs[0]) + xs[1]
+
+    model = Pair().eval()
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    fast = tk.optimize(model, sample_input=([a, b],), time_budget=0.2)
+    b.requires_grad_(True)
+    with pytest.warns(UserWarning, match="inputs require grad"):
+        out = fast([a, b])
+    out.sum().backward()
+    torch.testing.assert_close(b.grad, torch.ones_like(b))
+
+
+def test_a_hook_registered_after_optimize_runs_and_shapes_the_output(served, monkeypatch):
+    """A pre-hook that edits a layer's input changes the output as it does on the original; a
+    feature hook fires once per call; after both are removed, calls are served again."""
+    model, fast, x = served
+    routed = counting(monkeypatch)
+    with torch.no_grad():
+        plain = model(x)  # before the hooks
+    seen = []
+    h1 = fast[1].register_forward_hook(lambda m, i, o: seen.append(o))  # on the original's module
+    h2 = model[2].register_forward_pre_hook(lambda m, i: (i[0] * 0.5,))
+    with pytest.warns(UserWarning, match="forward hooks differ"), torch.no_grad():
+        out = fast(x)
+        ref = model(x)  # hooks included
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out - plain).abs().max() > 1e-2  # the pre-hook matters
+    assert len(seen) == 2 and routed == ["hooks"]  # the reference call fired it too
+    h1.remove()
+    h2.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), plain, rtol=1e-4, atol=1e-4)
+    assert routed == ["hooks"] and any("hooks" in f.step for f in fast.kiln_report.fallbacks)
+
+
+def test_a_hook_there_at_optimize_and_removed_after_stops_firing():
+    """A cast copy made at optimize carries the hooks then present; once the user removes one, it
+    must not fire from the copy."""
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    seen = []
+    handle = model[1].register_forward_hook(lambda m, i, o: seen.append(1))
+    with pytest.warns(UserWarning, match="forward hooks on 1"):
+        fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=x, time_budget=0.2)
+    fast._reset(choice="eager bf16-cast")  # whichever the clock chose: serve the copy
+    with torch.no_grad():
+        fast(x)
+        assert fast.kiln_report.active == "eager bf16-cast" and not fast._served.live_weights
+        assert len(seen) >= 1  # the copy's hook, while the original has it
+        seen.clear()
+        handle.remove()
+        fast(x)
+        fast(x)
+    assert seen == []
+
+
+def test_hookwatch_answers_for_this_models_hooks_only():
+    model, other = features(), nn.Linear(2, 2)
+    w = HookWatch(model)
+    assert not w.changed()  # nothing remembered yet
+    w.remember()
+    h = other.register_forward_hook(lambda *a: None)  # another model's: the counter moves, the answer doesn't
+    assert not w.changed()
+    h2 = model[0].register_forward_pre_hook(lambda *a: None)
+    assert w.changed()
+    h2.remove()
+    assert not w.changed()
+    g = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)  # global: runs on every module
+    try:
+        assert w.changed()
+    finally:
+        g.remove()
+    assert not w.changed()
+    h.remove()
+
+
+def test_hookwatch_sees_a_hook_swapped_for_another():
+    """Removing one hook and adding another keeps the count but not the hooks."""
+    model = features()
+    h = model[0].register_forward_hook(lambda *a: None)
+    w = HookWatch(model)
+    w.remember()
+    h.remove()
+    h = model[0].register_forward_hook(lambda *a: None)
+    assert w.changed()
+    h.remove()
