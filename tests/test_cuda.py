@@ -104,6 +104,39 @@ def test_cuda_graph_outputs_survive_later_calls_and_threads():
         torch.testing.assert_close(y, model(x), rtol=1e-3, atol=1e-3)
 
 
+def test_served_cuda_graph_calls_keep_the_per_call_checks_quick_and_hooks_fire():
+    """The hook check reads every module's dicts only when RemovableHandle's id counter moves, and
+    the weight check skips its lookups while no dict's version tag moves: replays must move neither.
+    A hook registered after optimize then fires, through the original."""
+    from torch.utils.hooks import RemovableHandle
+
+    model, _ = zoo.load("mlp", batch=8)
+    model = model.cuda()
+    x = torch.randn(8, 256, device="cuda")
+    o = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0)
+    name = "torchkiln compiled (float32) + CUDA graphs"
+    with torch.no_grad():
+        o(x)
+        o._install(name, o._find(name).make(), o._order)
+        o._remember_weights()
+        for _ in range(3):
+            o(x)
+        counter, w = RemovableHandle.next_id, o._watch
+        c, tags = w._seen[4], w._seen[6]
+        for _ in range(5):
+            o(x)
+        assert RemovableHandle.next_id == counter
+        if tags is not None:
+            assert c.tags(w._tag_dicts) == tags
+        seen = []
+        handle = model[2].register_forward_hook(lambda m, i, out: seen.append(out))
+        with pytest.warns(UserWarning, match="forward hooks differ"):
+            out = o(x)
+        handle.remove()
+    assert o.kiln_report.active == name and len(seen) == 1
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+
+
 def test_fully_masked_rows_give_zeros_on_cuda_attention_paths():
     import torch.nn.functional as F
 

@@ -3,6 +3,7 @@ and its Python form. The reference for "changed" is the edit each case makes; bo
 answer it, and answer alike after every edit of a random sequence."""
 
 import random
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ def native_or_skip():
 
 def model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).eval()
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).eval()
+    m[2].gain = torch.ones(())  # a plain tensor attribute (not a registered buffer)
+    return m
 
 
 def watched(m, native: bool, monkeypatch):
@@ -65,13 +68,32 @@ def assigned(m):
 
 def swapped_layer(m):
     m[2] = nn.Linear(8, 4)
+    m[2].gain = torch.ones(())
+
+
+def attribute_set(m):
+    m[1].eps = m[1].eps * 2
+
+
+def submodule_train(m):
+    m[1].train(not m[1].training)
+
+
+def tensor_attribute_write(m):
+    m[2].gain.add_(1)
+
+
+def tensor_attribute_replaced(m):
+    m[2].gain = torch.zeros(())
 
 
 def deleted(m):
     del m[2]._parameters["bias"]
 
 
-EDITS = [in_place, data_swap, new_parameter, buffer_write, loaded, assigned, swapped_layer, deleted]
+EDITS = [in_place, data_swap, new_parameter, buffer_write, loaded, assigned, swapped_layer, attribute_set,
+         submodule_train, tensor_attribute_write, tensor_attribute_replaced, deleted]
+TAGS = sys.version_info < (3, 13)  # where the C form reads dict version tags (weight_watch.cpp)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
@@ -79,13 +101,31 @@ EDITS = [in_place, data_swap, new_parameter, buffer_write, loaded, assigned, swa
 def test_each_recorded_change_is_seen(edit, native, monkeypatch):
     m = model()
     w = watched(m, native, monkeypatch)
+    assert (w._seen[6] is not None) == (native and TAGS)  # else the tag shortcut goes untested
     assert not w.changed()
     m(torch.randn(2, 8))  # an eval call writes nothing
     assert not w.changed()
     edit(m)
     assert w.changed()
+    assert w.changed()  # and stays changed
     w.remember()
     assert not w.changed()
+
+
+def test_a_dict_change_that_moves_no_slot_is_not_a_change_and_is_cheap_again(monkeypatch):
+    """A new private attribute moves the module dict's version tag but no watched slot: the lookups
+    find nothing, and the saved tags are brought up to date (the next check skips the lookups)."""
+    m = model()
+    w = watched(m, True, monkeypatch)
+    if not TAGS:
+        pytest.skip("no dict version tags on this Python")
+    c, saved = w._seen[4], w._seen[6]
+    m[0]._note = "x"
+    assert c.tags(w._tag_dicts) != saved
+    assert not w.changed()
+    assert c.tags(w._tag_dicts) == saved
+    attribute_set(m)
+    assert w.changed()
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
@@ -119,12 +159,14 @@ def test_the_two_forms_agree_over_a_random_sequence_of_edits(monkeypatch):
     assert seen > 5
 
 
-def test_ignored_slots_are_not_watched(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["C", "python"])
+def test_ignored_slots_are_not_watched(native, monkeypatch):
     m = model()
-    w = watched(m, False, monkeypatch)
-    w.ignore([m[1].running_mean])
+    w = watched(m, native, monkeypatch)
+    w.ignore([m[1].running_mean], [(vars(m[1]), "eps")])
     w.remember()
     buffer_write(m)
+    attribute_set(m)
     assert not w.changed()
     in_place(m)
     assert w.changed()
@@ -153,6 +195,62 @@ def test_the_c_module_rejects_bad_arguments():
     mod, other = nn.ReLU(), nn.ReLU()
     assert not c.changed([{"w": t}, {"act": mod}], ["w", "act"], [t, mod], state)  # identity-only slot after
     assert c.changed([{"w": t}, {"act": other}], ["w", "act"], [t, mod], state)
+    d = {"w": t}
+    with pytest.raises(TypeError, match=r"tag_dicts\[0\] is not a dict"):
+        c.tags([["w"]])
+    if TAGS:
+        with pytest.raises(ValueError, match="tags must be"):
+            c.changed([d], ["w"], [t], state, [d, {}], c.tags([d]))
+        tags = c.tags([d])
+        assert not c.changed([d], ["w"], [t], state, [d], tags)
+        d["w"] = torch.zeros(2)
+        assert c.changed([d], ["w"], [t], state, [d], tags)
+    else:
+        assert c.tags([d]) is None
+
+
+class Scaled(nn.Module):
+    """A forward that reads plain attributes: a tensor (not a buffer), a float and a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale, self.temperature, self.relu = torch.tensor(2.0), 1.0, False
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale / self.temperature
+        return torch.relu(y) if self.relu else y
+
+
+def scale_in_place(m):
+    m.scale.fill_(3.0)
+
+
+def scale_replaced(m):
+    m.scale = torch.tensor(4.0)
+
+
+def temperature(m):
+    m.temperature = 0.5
+
+
+def flag(m):
+    m.relu = True
+
+
+@pytest.mark.parametrize("edit", [scale_in_place, scale_replaced, temperature, flag], ids=lambda f: f.__name__)
+def test_optimize_notices_plain_attributes_set_after_it(edit):
+    """Every traced or compiled form answered with the values read when it was built (the stock
+    compile missed only the in-place write), silently: the twenty-eighth session's probes."""
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    x = torch.randn(8, 16)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        o(x)
+        assert not o._served.live_weights
+        edit(m)
+        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
 
 
 def test_optimize_notices_a_swapped_layer():

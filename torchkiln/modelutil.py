@@ -77,6 +77,19 @@ def eval_mode(model: nn.Module):
             m.training = was
 
 
+PLAIN = (int, float, bool, str, type(None))  # plain attribute values a forward may read (flags, scales)
+
+
+def plain_attrs(m: nn.Module) -> list[str]:
+    """A module's public attributes holding plain values (``training``, ``self.temperature``)."""
+    return [k for k, v in vars(m).items() if type(v) in PLAIN and not k.startswith("_")]
+
+
+def tensor_attrs(m: nn.Module) -> list[str]:
+    """A module's public attributes holding tensors that are not registered parameters or buffers."""
+    return [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
+
+
 def tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 

@@ -259,8 +259,8 @@ class KilnModule(OriginalFace):
         return self._watch.changed()
 
     def _remember_weights(self) -> None:
-        if self._snap is not None and self._snap.mutated:  # the model's own state (a counter): not weights
-            self._watch.ignore(self._snap.mutated)
+        if self._snap is not None:  # the model's own state (a counter): not weights or settings
+            self._watch.ignore(self._snap.mutated, self._snap.mutated_attrs)
         # the C check is built only where it will run on every call
         self._watch.remember(native=self._served is not None and not self._served.live_weights)
         self._hooks.remember()

@@ -15,25 +15,24 @@ import torch
 from torch import nn
 
 from . import inputs
-from .modelutil import version
-
-_PLAIN = (int, float, bool, str, type(None))
+from .modelutil import plain_attrs, tensor_attrs, version
 
 
 class Pristine:
     def __init__(self, model: nn.Module, args, kwargs):
         # Clones are cheap next to the runs they protect (buffers are small beside the weights);
         # restore() copies back only what a run changed, found by version counter.
-        buffers = list(model.buffers())
+        # (plain tensor attributes count as buffers: a forward may keep state in them too)
+        buffers = [*model.buffers(), *(vars(m)[k] for m in model.modules() for k in tensor_attrs(m))]
         self._tensors = [(t, version(t), t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
-        self._attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN and not k.startswith("_")})
-                       for m in model.modules()]
+        self._attrs = [(m, {k: vars(m)[k] for k in plain_attrs(m)}) for m in model.modules()]
         self._n_buffers = len(buffers)
         # A forward that replaces a buffer (``self.n = self.n + 1``) leaves the old tensor untouched
         # and a new one in the slot: found by slot, not by version, and the old one put back.
         self._slots = [(f"{name}.{k}" if name else k, m._buffers, k, t) for name, m in model.named_modules()
                        for k, t in m._buffers.items() if t is not None]
         self.mutated: list[torch.Tensor] = []  # buffers a run changed: the model's own state
+        self.mutated_attrs: list[tuple[dict, str]] = []  # plain attributes a run changed, as (module __dict__, name)
         self.replaced: list[str] = []  # buffers a run replaced with new tensors (qualified names)
         self.changed = False  # did any run change a buffer, an attribute or an input?
 
@@ -57,3 +56,5 @@ class Pristine:
                 if vars(m).get(k, v) is not v:
                     vars(m)[k] = v
                     self.changed = True
+                    if not any(d is vars(m) and n == k for d, n in self.mutated_attrs):
+                        self.mutated_attrs.append((vars(m), k))

@@ -8,7 +8,11 @@ module's ``_parameters`` or ``_buffers`` entry) is checked on each call for:
 - a version bump (an in-place write PyTorch sees: ``with torch.no_grad(): p.mul_(...)``, an
   optimizer step, ``load_state_dict``);
 - a new storage pointer (``p.data = t``, which keeps the version);
-- another module in a submodule slot (``model.fc = nn.Linear(...)``).
+- another module in a submodule slot (``model.fc = nn.Linear(...)``);
+- another value in a plain attribute (``model.temperature = 0.5``, ``model.use_relu = True``,
+  a submodule's ``training`` flag): a traced, compiled or copied form read it once, when built. Plain
+  tensor attributes (``self.scale = torch.tensor(2.0)``, not a registered buffer) are watched as
+  weights are.
 
 Not seen: in-place writes through ``p.data`` (``p.data.mul_(2)``, ``p.data.copy_(t)``). ``p.data``
 is a new tensor with its own version counter, so nothing on ``p`` records the write. Nor in-place
@@ -28,7 +32,7 @@ import operator
 import torch
 from torch import nn
 
-from .modelutil import version
+from .modelutil import plain_attrs, tensor_attrs, version
 
 log = logging.getLogger("torchkiln")
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
@@ -37,17 +41,25 @@ _warned = []
 
 class WeightWatch:
     def __init__(self, model: nn.Module):
-        slots = [(d, k) for m in model.modules() for d in (m._parameters, m._buffers) for k, t in d.items()
-                 if t is not None]
+        modules = list(model.modules())
+        slots = [(d, k) for m in modules for d in (m._parameters, m._buffers) for k, t in d.items() if t is not None]
+        slots += [(vars(m), k) for m in modules for k in tensor_attrs(m)]
         self._dicts, self._keys = [d for d, _ in slots], [k for _, k in slots]
-        # Submodule slots, for identity only: a layer swapped after optimize (model.fc = nn.Linear(...))
-        # brings weights no tensor slot above holds; it served the old layer's answers before.
-        mods = [(m._modules, k) for m in model.modules() for k in m._modules]
+        # Slots watched for identity only. Submodules: a layer swapped after optimize (model.fc =
+        # nn.Linear(...)) brings weights no tensor slot above holds; it served the old layer's answers
+        # before. Plain attributes: a flag or scale set after optimize was ignored by every traced or
+        # compiled form but the stock compile (whose guards see it), silently (the twenty-eighth
+        # session's probes).
+        mods = [(m._modules, k) for m in modules for k in m._modules]
+        mods += [(vars(m), k) for m in modules for k in plain_attrs(m)]
         self._mod_dicts, self._mod_keys = [d for d, _ in mods], [k for _, k in mods]
+        # Every dict a slot lives in, for the C check's version-tag shortcut (weight_watch.cpp)
+        self._tag_dicts = list({id(d): d for m in modules for d in (m._parameters, m._buffers, m._modules, vars(m))}
+                               .values())
         # remember()'s snapshot, one tuple assigned at once, so a call checking on another thread
         # never pairs one snapshot's tensors with another's versions:
-        # (dicts, keys, what they held: tensors then submodules, the tensors' (version, pointer) state,
-        #  the C module or None, how many tensors)
+        # (dicts, keys, what they held: tensors then identity-only slots, the tensors' (version, pointer)
+        #  state, the C module or None, how many tensors, the dicts' version tags or None)
         self._seen: tuple | None = None
 
     @property
@@ -55,12 +67,16 @@ class WeightWatch:
         """Does ``changed()`` run the C check?"""
         return self._seen is not None and self._seen[4] is not None
 
-    def ignore(self, tensors) -> None:
-        """Stop watching the slots that hold these tensors (state the model updates itself, such as
-        a call counter: not weights). Takes effect at the next ``remember()``."""
+    def ignore(self, tensors, attrs=()) -> None:
+        """Stop watching the slots that hold these tensors, and these plain attributes ((module
+        ``__dict__``, name) pairs): state the model updates itself, such as a call counter, not
+        weights or settings. Takes effect at the next ``remember()``."""
         own = {id(t) for t in tensors}
         kept = [(d, k) for d, k in zip(self._dicts, self._keys, strict=True) if id(d.get(k)) not in own]
         self._dicts, self._keys = [d for d, _ in kept], [k for _, k in kept]
+        gone = {(id(d), k) for d, k in attrs}
+        kept = [(d, k) for d, k in zip(self._mod_dicts, self._mod_keys, strict=True) if (id(d), k) not in gone]
+        self._mod_dicts, self._mod_keys = [d for d, _ in kept], [k for _, k in kept]
 
     def remember(self, native: bool = True) -> None:
         """Take the snapshot ``changed()`` compares with. ``native``: build the C check if it is not
@@ -71,25 +87,26 @@ class WeightWatch:
                     if isinstance(t, torch.Tensor)]
             self._dicts, self._keys, now = [d for d, _, _ in kept], [k for _, k, _ in kept], [t for *_, t in kept]
         c = _native(build=native)
+        tags = c.tags(self._tag_dicts) if c is not None else None  # read before the slots: see weight_watch.cpp
         try:
             state = c.snapshot(now) if c is not None else None
         except RuntimeError as e:  # not expected (the C form handles what it knows): Python answers alike
             log.info("torchkiln: the C weight check failed (%s); using the Python form", e)
-            c = state = None
+            c = state = tags = None
         if c is None:
             state = (_versions(now), list(map(_PTR, now)))
         # tensor slots first, then submodule slots (identity only): the C form's layout
         mods = list(map(dict.get, self._mod_dicts, self._mod_keys))
-        self._seen = (self._dicts + self._mod_dicts, self._keys + self._mod_keys, now + mods, state, c, len(now))
+        self._seen = (self._dicts + self._mod_dicts, self._keys + self._mod_keys, now + mods, state, c, len(now), tags)
 
     def changed(self) -> bool:
         """Has any slot changed since ``remember()``? (False before it: nothing to compare with.)"""
         seen = self._seen
         if seen is None:
             return False
-        dicts, keys, objs, state, c, n = seen
+        dicts, keys, objs, state, c, n, tags = seen
         if c is not None:
-            return c.changed(dicts, keys, objs, state)
+            return c.changed(dicts, keys, objs, state, self._tag_dicts, tags)
         now = list(map(dict.get, dicts, keys))
         # map() over C getters: 31 us for bert-base's 201 tensors on a 2-core Zen 4, hot; 144-240 us
         # for mobilenet-v2's 312 right after a call (the C form: 30-47)
