@@ -170,3 +170,31 @@ def test_hookwatch_sees_a_hook_swapped_for_another():
     h = model[0].register_forward_hook(lambda *a: None)
     assert w.changed()
     h.remove()
+
+
+def test_a_submodule_put_in_training_mode_runs_the_original_then_back_to_served(monkeypatch):
+    """Monte Carlo dropout: with a dropout layer put in training mode after optimize, each call draws
+    its mask as eager does (the rebuilt form ran it in eval mode: deterministic, silently); back in
+    eval mode, the form built before serves again, with no rebuild."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4)).eval()
+    x = torch.randn(8, 32)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        fast(x)
+        served = fast.kiln_report.active
+        resets = []
+        monkeypatch.setattr(KilnModule, "_reset", lambda self, choice: resets.append(choice))
+        model[2].train()
+        with pytest.warns(UserWarning, match="submodule of the original is in training mode"):
+            torch.manual_seed(5)
+            a = fast(x)
+        torch.manual_seed(5)
+        ref = model(x)
+        b = fast(x)
+        torch.testing.assert_close(a, ref)
+        assert (a - b).abs().max() > 1e-3  # a new mask each call
+        model[2].eval()
+        torch.testing.assert_close(fast(x), fast(x))
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert resets == [] and fast.kiln_report.active == served and fast._own is None

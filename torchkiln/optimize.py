@@ -79,6 +79,10 @@ _OWN_CALLS = {
     "grad": ("calls whose inputs require grad (grad mode on)", "the original model (eager, with autograd)",
              "the optimized forms run without autograd, so no gradient would flow back to the inputs; call it "
              "under torch.no_grad(), or with inputs that don't require grad, for the fast path"),
+    "training": ("calls while a submodule of the original is in training mode", "the original model (eager)",
+                 "a submodule was put in training mode after optimize (Monte Carlo dropout, BatchNorm statistics): "
+                 "the optimized form runs it in eval mode (dropout was deterministic, silently); put it back with "
+                 ".eval() for the fast path"),
     "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
               "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
               "call them; remove them, or tk.optimize again with them in place, for the fast path"),
@@ -121,6 +125,7 @@ class KilnModule(OriginalFace):
         s(self, "_hooks", HookWatch(self.kiln_original))
         s(self, "_snap", None)  # Pristine, while a selection runs
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
+        s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
 
     def __getstate__(self):
         # Compiled code, locks and graph pools don't copy or pickle: a copy keeps the
@@ -151,6 +156,10 @@ class KilnModule(OriginalFace):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and inputs.need_grad(args, kwargs):
             return self._own_call(args, kwargs, "grad")
+        if self._own is not None:  # a submodule was put in training mode (found by _refresh)
+            if training_module(self.kiln_original) is not None:
+                return self._own_call(args, kwargs, self._own)
+            object.__setattr__(self, "_own", None)  # back in eval mode: the weight check below decides the rest
         served = self._served
         if served is not None and not served.live_weights and self._hooks.changed():
             return self._own_call(args, kwargs, "hooks")  # (live_weights: it runs the original's modules)
@@ -189,6 +198,11 @@ class KilnModule(OriginalFace):
         _RACED when another thread did it first."""
         with self._lock:
             if self._fn is None or self._stale():
+                if self._fn is not None and training_module(self.kiln_original) is not None:
+                    # No rebuild: the snapshot stays the built form's, so once back in eval mode
+                    # (with nothing else changed) calls are served again as they were.
+                    object.__setattr__(self, "_own", "training")
+                    return self._own_call(args, kwargs, "training")
                 if self._fn is not None:
                     self._reset(choice=self.kiln_report.active)
                     log.info("torchkiln: the original's weights changed; rebuilding %s", self._choice)
