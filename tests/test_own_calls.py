@@ -198,3 +198,39 @@ def test_a_submodule_put_in_training_mode_runs_the_original_then_back_to_served(
         torch.testing.assert_close(fast(x), fast(x))
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
     assert resets == [] and fast.kiln_report.active == served and fast._own is None
+
+
+def autocast_bf16(net):
+    def run(z):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return net(z).float()
+    return run
+
+
+@pytest.mark.parametrize("auto_ms,auto_status,expect", [(1.0, "passed", "autocast"), (20.0, "passed", "float32"),
+                                                        (1.0, "failed", "float32")],
+                         ids=["autocast-faster", "autocast-slower", "autocast-failed-guard"])
+def test_grad_calls_run_the_requested_precision_only_where_it_passed_and_was_faster(auto_ms, auto_status, expect):
+    """With dtype=bf16, calls that need autograd run the original under bf16 autocast (what a user's
+    AMP would) only if that candidate passed the guard and timed faster than the float32 model as
+    given (the measurements are set here, so the clock does not pick the case); else the original in
+    float32. The generator's gradient equals that reference's exactly."""
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (which candidate serves does not matter here)
+        fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=x, time_budget=0.2)
+        with torch.no_grad():
+            fast(x)
+    by = {m.name: m for m in fast.kiln_report.candidates}
+    auto, fp32 = by["eager bf16-autocast"], by["eager (as given, float32)"]
+    auto.median_ms, auto.status, fp32.median_ms, fp32.status = auto_ms, auto_status, 10.0, "passed"
+    torch.manual_seed(1)
+    gen = nn.Conv2d(3, 3, 3, padding=1)
+    ref = generator_grad(autocast_bf16(model) if expect == "autocast" else model, gen, x)
+    with pytest.warns(UserWarning, match="autocast" if expect == "autocast" else r"original model \(eager"):
+        got = generator_grad(fast, gen, x)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    other = generator_grad(model if expect == "autocast" else autocast_bf16(model), gen, x)
+    assert (other - ref).abs().max() > 0  # the two references differ: the test tells them apart
