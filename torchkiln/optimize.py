@@ -24,10 +24,12 @@ import contextlib
 import copy
 import functools
 import gc
+import inspect
 import logging
 import statistics
 import threading
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -107,6 +109,7 @@ class KilnModule(OriginalFace):
         s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
         s(self, "training", False)  # it serves inference (nn.Module.__init__ said True)
         s(self, "_llm", None)  # generate()'s (tk.llm copy, or None where it failed; the weight state it read)
+        self._show_signature()
         self._reset(choice=None)
 
     # ----------------------------------------------------------------- state
@@ -147,14 +150,34 @@ class KilnModule(OriginalFace):
         s(self, "_sample_ref", state["sample_ref"])
         s(self, "training", False)
         s(self, "_llm", None)
+        self._show_signature()
         choice = state["choice"]
         self._reset(choice=choice if choice != "pending first call" else None)
+
+    def _show_signature(self) -> None:
+        """``forward`` with the original's parameters, for code that reads them: torch.jit.trace with
+        ``example_kwarg_inputs`` (IPEX's documented BERT flow failed: "'input_ids' is not in forward()
+        method's arguments"), and transformers, which picks the inputs it passes by them. An instance
+        attribute calling the class's forward through a weak reference: no reference cycle."""
+        try:
+            sig = inspect.signature(self.kiln_original.forward)
+        except (TypeError, ValueError):  # no signature to show: the class's forward serves
+            return
+        ref, impl = weakref.ref(self), type(self).forward
+
+        def forward(*args, **kwargs):
+            return impl(ref(), *args, **kwargs)
+
+        forward.__signature__, forward.__doc__ = sig, self.kiln_original.forward.__doc__
+        object.__setattr__(self, "forward", forward)
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs):
         return _MODULE_CALL(self, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if torch.jit.is_tracing():
+            return self._traced_call(args, kwargs)
         if torch.is_grad_enabled() and inputs.need_grad(args, kwargs):
             return self._own_call(args, kwargs, "grad")
         if self._own is not None:  # a submodule was put in training mode (found by _refresh)
@@ -280,6 +303,24 @@ class KilnModule(OriginalFace):
                       f"whose forward passed the guard and timed {f.median_ms / a.median_ms:.2f}x the float32 model)")
         object.__setattr__(self, "_grad", choice)
         return choice
+
+    def _traced_call(self, args, kwargs):
+        """Under ``torch.jit.trace``, which IPEX's documented flow runs on the optimized model (trace,
+        then freeze): the original's operations, its weights as constants, which is what freezing a
+        trace of the original gives. Before, the trace failed ("Cannot insert a Tensor that requires
+        grad as a constant"): the weights belong to the original, not to the module traced. A trace
+        cannot call the served form (compiled code, or TorchScript not registered under it)."""
+        warn_once("jit.trace", "torchkiln: torch.jit.trace of the model tk.optimize returned records the original "
+                  f"model's operations (weights as constants), not what torchkiln serves ({self.kiln_report.active}); "
+                  "IPEX needed trace and freeze, torchkiln does not: call the returned model instead",
+                  stacklevel=7, owner=self)
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)  # the copy is not the model's work: left out of the trace
+        try:  # a copy whose weights need no grad, so the tracer takes them as constants (functional_call refuses)
+            model = copy.deepcopy(self.kiln_original).requires_grad_(False)
+        finally:
+            torch._C._set_tracing_state(tracing)
+        return model(*args, **kwargs)
 
     def _inference_only(self) -> None:
         if self.kiln_original.training:

@@ -1,0 +1,75 @@
+"""IPEX's documented inference flow run on tk.optimize's model: ``torch.jit.trace`` (by position, or by
+keyword with ``example_kwarg_inputs``) then ``torch.jit.freeze``. It failed before ("Cannot insert a
+Tensor that requires grad as a constant"; "'input_ids' is not in forward() method's arguments").
+References: the same flow on a copy of the original."""
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 4)).eval()
+
+
+def traced_and_frozen(model, dtype, *args, **kwargs):
+    """As IPEX's docs write it: under no_grad (and autocast for bf16), trace, freeze, run twice."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        if kwargs:
+            t = torch.jit.trace(model, example_kwarg_inputs=kwargs, strict=False)
+        else:
+            t = torch.jit.trace(model, args)
+        t = torch.jit.freeze(t)
+        t(*args, **kwargs)
+        return t(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trace_and_freeze_of_the_returned_model_is_the_originals(dtype):
+    model, x = cnn(), torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = tk.optimize(model, dtype=dtype, sample_input=x, time_budget=0.2)
+    with pytest.warns(UserWarning, match="torch.jit.trace of the model tk.optimize returned"):
+        got = traced_and_frozen(fast, dtype, x)
+    ref = traced_and_frozen(copy.deepcopy(model).requires_grad_(False), dtype, x)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(got.float(), model(x), rtol=5e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    assert all(p.requires_grad for p in model.parameters())  # the original is left as it was
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=5e-2, atol=5e-2)  # and the returned model still serves
+
+
+def test_trace_by_keyword_of_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    ids = {"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = tk.optimize(model, sample_input=ids, time_budget=0.2)
+        got = traced_and_frozen(fast, torch.float32, **ids)
+    assert list(inspect.signature(fast.forward).parameters) == list(inspect.signature(model.forward).parameters)
+    with torch.no_grad():
+        torch.testing.assert_close(got["last_hidden_state"], model(**ids).last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_a_copy_keeps_the_signature_and_calls_its_own_model():
+    model, x = cnn(), torch.randn(2, 3, 16, 16)
+    fast = tk.optimize(model, sample_input=x, time_budget=0.2)
+    twin = copy.deepcopy(fast)
+    assert inspect.signature(twin.forward) == inspect.signature(model.forward)
+    with torch.no_grad():
+        twin.kiln_original[5].bias.add_(1.0)  # the copy's own original, not fast's
+        torch.testing.assert_close(twin(x), fast(x) + 1.0, rtol=1e-4, atol=1e-4)
