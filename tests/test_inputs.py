@@ -56,3 +56,16 @@ def test_a_cloned_model_output_reads_the_same_every_way_and_owns_its_tensors():
     torch.testing.assert_close(c.hidden_states[0] + 1, s, rtol=0, atol=0)
     c.pooler_output = torch.zeros(1, 8)  # still a ModelOutput: an attribute write updates the item
     assert torch.equal(c["pooler_output"], torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("sample,rows", [
+    (((torch.randint(0, 9, (4, 64)),), {}), 256),  # token ids: batch x sequence
+    (((), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.ones(2, 8)}), 16),
+    (((torch.randn(3, 10, 32),), {}), 30),  # a float sequence
+    (((torch.randn(8, 32),), {}), 8),  # a batch of feature vectors
+    (((torch.randn(2, 3, 16, 16),), {}), 2),  # images: the head sees the batch
+    (((torch.tensor(1.0),), {}), None),
+    (((), {}), None),
+])
+def test_rows_counts_what_the_linear_layers_see(sample, rows):
+    assert inputs.rows(sample) == rows

@@ -96,6 +96,20 @@ def to(args: Args, device=None, dtype=None) -> Args:
     return tree_map(move, a), tree_map(move, k)
 
 
+def rows(args: Args) -> int | None:
+    """Rows a model's linear layers see per call (the M of their GEMMs), estimated from its first input:
+    token ids (batch x sequence) and float sequences (batch x sequence x features) give batch x
+    sequence, other inputs their batch. A text model's batch alone undercounted them 64-fold (seq 64),
+    and the GEMM path measured at that M was the slower one at the real M (plan/cpu.py)."""
+    ts = flatten(args)
+    if not ts or ts[0].dim() == 0:
+        return None
+    t = ts[0]
+    if (t.dim() >= 2 and not t.is_floating_point()) or (t.dim() == 3 and t.is_floating_point()):
+        return int(t.shape[0] * t.shape[1])
+    return int(t.shape[0])
+
+
 def batch_size(args: Args) -> int | None:
     ts = flatten(args)
     return int(ts[0].shape[0]) if ts and ts[0].dim() > 0 else None

@@ -854,7 +854,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
                       f"graph has no modules to transform; {', '.join(SERVING_KNOBS)} apply")
     else:
         recipe = plan(model, hw, str(target), compute, level, knobs,
-                      batch=inputs.batch_size(sample) if sample else None)
+                      batch=inputs.batch_size(sample) if sample else None, rows=inputs.rows(sample) if sample else None)
         if recipe.dtype != dtype_name(compute):
             warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
     report = Report(recipe=recipe.to_dict(), quantization=quant.report.to_dict() if quant is not None else None)

@@ -105,6 +105,17 @@ def test_gemm_measured_at_the_batch_size_clamped(gemm, batch, m):
     assert recipe.pass_config("onednn_linear").shape == (m, 48, 48)
 
 
+@pytest.mark.parametrize("batch,rows,m", [(4, 256, 256), (1, 128, 128), (2, 8, 16), (4, None, 16)])
+def test_gemm_measured_at_the_rows_a_text_model_sees(gemm, batch, rows, m):
+    """A text model's linears see batch x sequence rows: measured at the batch alone (16 for 4 x 64
+    tokens), the planner chose aten where oneDNN was 1.84x at the real 256 rows (a 256-wide BERT,
+    2-core Zen 5; RESULTS.md, twenty-eighth session)."""
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_NO_BF16, "cpu", FP32, "O1", {}, batch, rows=rows)
+    assert gemm.calls == [(FP32, m, 48, 48)]
+    assert recipe.pass_config("onednn_linear").shape == (m, 48, 48)
+
+
 @BF16_CPUS
 def test_low_precision_leaves_gemm_to_inductor_no_measurement(gemm, hw):
     gemm.answer = "onednn"

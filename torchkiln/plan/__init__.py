@@ -35,7 +35,7 @@ def family(device: str):
 
 
 def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level: str,
-         knobs: dict, batch: int | None = None) -> Recipe:
+         knobs: dict, batch: int | None = None, rows: int | None = None) -> Recipe:
     notes: list[str] = []
     fam = family(device)
     chosen, why = fam.choose_dtype(hw, device, dtype)
@@ -59,7 +59,7 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
                         dtype_mode="cast" if low else "none",
                         notes=(*notes, "O0: no optimisation beyond the requested dtype"))
         return _apply_knobs(recipe, knobs)
-    recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes)
+    recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes, rows=rows)
     recipe = recipe.replace(dtype=_name(dtype), level=level)
     return _apply_knobs(recipe, knobs)
 

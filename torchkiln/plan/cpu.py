@@ -53,7 +53,7 @@ def _typical_linear(model: nn.Module) -> tuple[int, int] | None:
     return max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1])
 
 
-def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
+def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
     passes, fmt = base_passes(dtype, has_conv)
     if has_conv:
         notes.append("conv net: channels_last (oneDNN's fastest conv layout)")
@@ -65,7 +65,7 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> R
         # bf16 bs1, interleaved: 28.4 ms with our module vs 28.0 without; RESULTS.md).
         notes.append(f"GEMM {str(dtype)[6:]}: oneDNN via inductor freezing (packed, post-op fusion)")
     elif shape:
-        m = max(16, min(batch or 128, 4096))
+        m = max(16, min(rows or batch or 128, 4096))  # the GEMMs' M: rows (batch x sequence for text)
         gemm, rates = gemm_choice(dtype, m, *shape)
         if rates:
             notes.append(f"GEMM {str(dtype)[6:]} {m}x{shape[0]}x{shape[1]} measured: aten {rates['aten']} "

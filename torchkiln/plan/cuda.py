@@ -29,7 +29,7 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
 FP32_ISLANDS = False
 
 
-def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
+def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
     passes, fmt = base_passes(dtype, has_conv, islands=FP32_ISLANDS)
     if has_conv:
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")

@@ -16,7 +16,7 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
     return cuda.choose_dtype(hw, device, dtype)
 
 
-def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes) -> Recipe:
+def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
     dev_type = torch.device(device).type
     passes, fmt = base_passes(dtype, has_conv, channels_last=dev_type == "xpu")
     notes.append(f"{dev_type}: generic recipe (no device-specific tuning yet)")
