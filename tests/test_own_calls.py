@@ -54,8 +54,9 @@ def test_gradients_flow_through_to_inputs_that_require_them(served):
     torch.manual_seed(1)
     gen = nn.Conv2d(3, 3, 3, padding=1)
     ref = generator_grad(copy.deepcopy(model), gen, x)
-    with pytest.warns(UserWarning, match="inputs require grad"):
+    with pytest.warns(UserWarning, match="inputs require grad") as seen:
         got = generator_grad(fast, gen, x)
+    assert [w.filename for w in seen if "require grad" in str(w.message)] == [__file__]  # the user's line
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per model

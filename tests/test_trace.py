@@ -38,8 +38,9 @@ def test_trace_and_freeze_of_the_returned_model_is_the_originals(dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fast = tk.optimize(model, dtype=dtype, sample_input=x, time_budget=0.2)
-    with pytest.warns(UserWarning, match="torch.jit.trace of the model tk.optimize returned"):
+    with pytest.warns(UserWarning, match="torch.jit.trace of the model tk.optimize returned") as seen:
         got = traced_and_frozen(fast, dtype, x)
+    assert {w.filename for w in seen if "torchkiln" in str(w.message)} == {__file__}  # the user's line
     ref = traced_and_frozen(copy.deepcopy(model).requires_grad_(False), dtype, x)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     with torch.no_grad():

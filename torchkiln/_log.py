@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -38,9 +39,22 @@ _warned: set = set()
 _warned_by: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def warn_once(key: str, msg: str, stacklevel: int = 3, owner: object = None) -> None:
+def user_level() -> int:
+    """The ``stacklevel`` (as counted from warn_once's own ``warnings.warn``) of the first frame outside
+    torch and torchkiln: the user's line, however deep in nn.Module's and torch.jit's machinery a call
+    warns from (a fixed count pointed into torch once the returned model's forward gained a frame)."""
+    import torch
+
+    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+    frame, level = sys._getframe(2), 2  # warn_once's caller is level 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_once(key: str, msg: str, stacklevel: int | None = 3, owner: object = None) -> None:
     """A UserWarning the first time ``key`` is seen in this process (for ``owner``, when given:
-    once per that object's life); always logged."""
+    once per that object's life); always logged. ``stacklevel=None``: the user's line (``user_level``)."""
     import warnings
 
     try:
@@ -49,5 +63,5 @@ def warn_once(key: str, msg: str, stacklevel: int = 3, owner: object = None) -> 
         seen = _warned
     if key not in seen:
         seen.add(key)
-        warnings.warn(msg, stacklevel=stacklevel)
+        warnings.warn(msg, stacklevel=user_level() if stacklevel is None else stacklevel)
     logging.getLogger("torchkiln").info(msg)

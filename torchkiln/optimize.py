@@ -24,19 +24,17 @@ import contextlib
 import copy
 import functools
 import gc
-import inspect
 import logging
 import statistics
 import threading
 import time
-import weakref
 
 import torch
 from torch import nn
 
-from . import _log, inputs, stock
+from . import _log, inputs
 from ._log import warn_once
-from .candidates import Candidate, OnDevice, applied_for, candidates
+from .candidates import Candidate, applied_for, candidates
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
@@ -54,6 +52,7 @@ from .modelutil import (
     parse_dtype,
     training_module,
 )
+from .owncalls import OwnCalls
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine
 from .progress import ticks
@@ -73,25 +72,9 @@ SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (
 # test_concurrent_first_call_without_sample_selects_once, 1 run in CI); bound here, the call
 # reaches forward's lock and waits for the setup instead.
 _MODULE_CALL = getattr(nn.Module, "_wrapped_call_impl", nn.Module.__call__)  # what __call__ is, unpatched
-# Calls only the original's own modules answer right: (what, why, how to get the fast path back).
-# Both were silent before (the twenty-eighth session's probes, benchmarks/RESULTS.md): a perceptual-loss
-# network's gradient to the generator was dropped (rel 1.7e-2 on the generator's weight grad), and a
-# hook registered after optimize never fired.
-_OWN_CALLS = {
-    "grad": ("calls whose inputs require grad (grad mode on)", "the original model (eager, with autograd)",
-             "the optimized forms run without autograd, so no gradient would flow back to the inputs; call it "
-             "under torch.no_grad(), or with inputs that don't require grad, for the fast path"),
-    "training": ("calls while a submodule of the original is in training mode", "the original model (eager)",
-                 "a submodule was put in training mode after optimize (Monte Carlo dropout, BatchNorm statistics): "
-                 "the optimized form runs it in eval mode (dropout was deterministic, silently); put it back with "
-                 ".eval() for the fast path"),
-    "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
-              "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
-              "call them; remove them, or tk.optimize again with them in place, for the fast path"),
-}
 
 
-class KilnModule(OriginalFace):
+class KilnModule(OwnCalls, OriginalFace):
     """An optimized model that behaves like the original: calls, parameters,
     buffers, modules, ``state_dict`` both ways, attribute access, no-op moves.
     ``kiln_report`` says what serves the calls and why."""
@@ -153,27 +136,6 @@ class KilnModule(OriginalFace):
         self._show_signature()
         choice = state["choice"]
         self._reset(choice=choice if choice != "pending first call" else None)
-
-    def _show_signature(self) -> None:
-        """``forward`` as an instance attribute: with the original's parameters, for code that reads
-        them (torch.jit.trace with ``example_kwarg_inputs``: IPEX's documented BERT flow failed with
-        "'input_ids' is not in forward() method's arguments"; transformers picks the inputs it passes
-        by them), and closed to torch.compile: ``torch.compile(fast)`` traced into the wrapper's locks
-        and checks, with graph breaks, and ran 10% slower than ``fast`` (a 4-layer BERT, 2-core Zen 5);
-        skipped, it runs ``fast`` as is (0.3 us a call). It calls the class's forward through a weak
-        reference: no reference cycle."""
-        ref, impl = weakref.ref(self), type(self).forward
-
-        @torch.compiler.disable
-        def forward(*args, **kwargs):
-            return impl(ref(), *args, **kwargs)
-
-        try:
-            forward.__signature__ = inspect.signature(self.kiln_original.forward)
-        except (TypeError, ValueError):  # no signature to show
-            pass
-        forward.__doc__ = self.kiln_original.forward.__doc__
-        object.__setattr__(self, "forward", forward)
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs):
@@ -270,61 +232,6 @@ class KilnModule(OriginalFace):
         self._restore()
         self._remember_weights()
         return self._serve(fn, args, kwargs)
-
-    def _own_call(self, args, kwargs, key: str):
-        """Answer this call with the original model itself; say so once."""
-        step, to, why = _OWN_CALLS[key]
-        run = OnDevice(self.kiln_original)
-        if key == "grad":
-            run, to = self._grad_run(run, to)
-        fallbacks = self.kiln_report.fallbacks
-        if not any(f.step == step and f.to == to for f in fallbacks):
-            fallbacks.append(Fallback(step, to, why))
-        # stacklevel: the caller of fast(...), past nn.Module.__call__
-        warn_once(f"{key}:{to}", f"torchkiln: {step} run {to}: {why}", stacklevel=7, owner=self)
-        self._inference_only()
-        return run(*args, **kwargs)
-
-    def _grad_run(self, original, to: str):
-        """What answers calls that need autograd: the original under autocast at the requested
-        precision, where that candidate passed the guard and timed faster than the float32 model as
-        given (a VGG-style feature net's forward and backward to its input: 2.0x on a 2-core Zen 5,
-        gradient within 9% of float32's, as AMP gives), else the original as it is."""
-        if self._grad is not None:
-            return self._grad
-        if self._fn is None:  # nothing measured yet: decided after the first served call
-            return original, to
-        rec, model = self.kiln_recipe, self.kiln_original
-        dtype, device = DTYPES[rec.dtype], model_device(model)
-        auto = next((r for r in stock.eager_recipes(dtype) if r.how == "autocast"), None)
-        by = {m.name: m for m in self.kiln_report.candidates}
-        a, f = (by.get(auto.name), by.get(stock.AS_GIVEN.name)) if auto is not None else (None, None)
-        choice = (original, to)
-        if a is not None and f is not None and a.status in ("passed", "served") and a.median_ms and f.median_ms \
-                and a.median_ms < f.median_ms and device.type == torch.device(rec.device).type:
-            choice = (stock.build(auto, model, device),
-                      f"the original model under {auto.dtype} autocast (eager, with autograd: the precision asked for, "
-                      f"whose forward passed the guard and timed {f.median_ms / a.median_ms:.2f}x the float32 model)")
-        object.__setattr__(self, "_grad", choice)
-        return choice
-
-    def _traced_call(self, args, kwargs):
-        """Under ``torch.jit.trace``, which IPEX's documented flow runs on the optimized model (trace,
-        then freeze): the original's operations, its weights as constants, which is what freezing a
-        trace of the original gives. Before, the trace failed ("Cannot insert a Tensor that requires
-        grad as a constant"): the weights belong to the original, not to the module traced. A trace
-        cannot call the served form (compiled code, or TorchScript not registered under it)."""
-        warn_once("jit.trace", "torchkiln: torch.jit.trace of the model tk.optimize returned records the original "
-                  f"model's operations (weights as constants), not what torchkiln serves ({self.kiln_report.active}); "
-                  "IPEX needed trace and freeze, torchkiln does not: call the returned model instead",
-                  stacklevel=7, owner=self)
-        tracing = torch._C._get_tracing_state()
-        torch._C._set_tracing_state(None)  # the copy is not the model's work: left out of the trace
-        try:  # a copy whose weights need no grad, so the tracer takes them as constants (functional_call refuses)
-            model = copy.deepcopy(self.kiln_original).requires_grad_(False)
-        finally:
-            torch._C._set_tracing_state(tracing)
-        return model(*args, **kwargs)
 
     def _inference_only(self) -> None:
         if self.kiln_original.training:

@@ -1,0 +1,92 @@
+"""Calls only the original model answers right, whatever tk.optimize serves.
+
+Each of these was answered wrong, silently, before (the twenty-eighth session's probes,
+benchmarks/RESULTS.md): a frozen feature network in a perceptual loss dropped its term of the
+generator's gradient (rel 1.7e-2: the served forms run without autograd); a hook registered on the
+original after optimize never fired, and a pre-hook's edit of a layer's input was ignored; a dropout
+layer put in training mode (Monte Carlo dropout) stayed deterministic; and IPEX's documented
+trace-and-freeze step failed on the returned model. ``KilnModule.forward`` sends such calls here
+(``OwnCalls`` is its mixin); each is warned once and recorded in the report's fallbacks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from . import stock
+from ._log import warn_once
+from .candidates import OnDevice
+from .modelutil import DTYPES, model_device
+from .report import Fallback
+
+# (which calls, what answers them, why, and how to get the fast path back)
+_OWN_CALLS = {
+    "grad": ("calls whose inputs require grad (grad mode on)", "the original model (eager, with autograd)",
+             "the optimized forms run without autograd, so no gradient would flow back to the inputs; call it "
+             "under torch.no_grad(), or with inputs that don't require grad, for the fast path"),
+    "training": ("calls while a submodule of the original is in training mode", "the original model (eager)",
+                 "a submodule was put in training mode after optimize (Monte Carlo dropout, BatchNorm statistics): "
+                 "the optimized form runs it in eval mode (dropout was deterministic, silently); put it back with "
+                 ".eval() for the fast path"),
+    "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
+              "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
+              "call them; remove them, or tk.optimize again with them in place, for the fast path"),
+}
+
+
+class OwnCalls:
+    def _own_call(self, args, kwargs, key: str):
+        """Answer this call with the original model itself; say so once."""
+        step, to, why = _OWN_CALLS[key]
+        run = OnDevice(self.kiln_original)
+        if key == "grad":
+            run, to = self._grad_run(run, to)
+        fallbacks = self.kiln_report.fallbacks
+        if not any(f.step == step and f.to == to for f in fallbacks):
+            fallbacks.append(Fallback(step, to, why))
+        warn_once(f"{key}:{to}", f"torchkiln: {step} run {to}: {why}", stacklevel=None, owner=self)
+        self._inference_only()
+        return run(*args, **kwargs)
+
+    def _grad_run(self, original, to: str):
+        """What answers calls that need autograd: the original under autocast at the requested
+        precision, where that candidate passed the guard and timed faster than the float32 model as
+        given (a VGG-style feature net's forward and backward to its input: 2.0x on a 2-core Zen 5,
+        gradient within 9% of float32's, as AMP gives), else the original as it is."""
+        if self._grad is not None:
+            return self._grad
+        if self._fn is None:  # nothing measured yet: decided after the first served call
+            return original, to
+        rec, model = self.kiln_recipe, self.kiln_original
+        dtype, device = DTYPES[rec.dtype], model_device(model)
+        auto = next((r for r in stock.eager_recipes(dtype) if r.how == "autocast"), None)
+        by = {m.name: m for m in self.kiln_report.candidates}
+        a, f = (by.get(auto.name), by.get(stock.AS_GIVEN.name)) if auto is not None else (None, None)
+        choice = (original, to)
+        if a is not None and f is not None and a.status in ("passed", "served") and a.median_ms and f.median_ms \
+                and a.median_ms < f.median_ms and device.type == torch.device(rec.device).type:
+            choice = (stock.build(auto, model, device),
+                      f"the original model under {auto.dtype} autocast (eager, with autograd: the precision asked for, "
+                      f"whose forward passed the guard and timed {f.median_ms / a.median_ms:.2f}x the float32 model)")
+        object.__setattr__(self, "_grad", choice)
+        return choice
+
+    def _traced_call(self, args, kwargs):
+        """Under ``torch.jit.trace``, which IPEX's documented flow runs on the optimized model (trace,
+        then freeze): the original's operations, its weights as constants, which is what freezing a
+        trace of the original gives. Before, the trace failed ("Cannot insert a Tensor that requires
+        grad as a constant"): the weights belong to the original, not to the module traced. A trace
+        cannot call the served form (compiled code, or TorchScript not registered under it)."""
+        warn_once("jit.trace", "torchkiln: torch.jit.trace of the model tk.optimize returned records the original "
+                  f"model's operations (weights as constants), not what torchkiln serves ({self.kiln_report.active}); "
+                  "IPEX needed trace and freeze, torchkiln does not: call the returned model instead",
+                  stacklevel=None, owner=self)
+        tracing = torch._C._get_tracing_state()
+        torch._C._set_tracing_state(None)  # the copy is not the model's work: left out of the trace
+        try:  # a copy whose weights need no grad, so the tracer takes them as constants (functional_call refuses)
+            model = copy.deepcopy(self.kiln_original).requires_grad_(False)
+        finally:
+            torch._C._set_tracing_state(tracing)
+        return model(*args, **kwargs)
