@@ -95,7 +95,7 @@ class WeightWatch:
             c = state = tags = None
         if c is None:
             state = (_versions(now), list(map(_PTR, now)))
-        # tensor slots first, then submodule slots (identity only): the C form's layout
+        # tensor slots first, then the identity-only ones (submodules, plain attributes): the C form's layout
         mods = list(map(dict.get, self._mod_dicts, self._mod_keys))
         self._seen = (self._dicts + self._mod_dicts, self._keys + self._mod_keys, now + mods, state, c, len(now), tags)
 

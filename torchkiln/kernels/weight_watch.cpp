@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <vector>
 
 namespace {
 
@@ -62,9 +63,9 @@ PyObject* snapshot_(PyObject* tensors) {
 
 // Dictionary version tags (PEP 509): CPython bumps a dict's ma_version_tag on every insert,
 // replacement and deletion, so "no watched dict's tag moved" proves every slot still holds what it
-// held, without the per-slot lookups (28 of mobilenet-v2's ~45 us check; with bert-base's 692 plain
-// attributes watched too, 77 against 44 us right after a call, where the tags of its 228 modules'
-// dicts read in 3 us; 2-core Zen 5, RESULTS.md, twenty-eighth session). The field is deprecated in
+// held, without the per-slot lookups. Right after a call, bert-base's 1095 slots (its 692 plain
+// attributes included) took 46-57 us with the lookups and 15 us reading its 912 dicts' tags instead;
+// mobilenet-v2 30-33 against 10 (2-core Zen 5, RESULTS.md, twenty-eighth session). The field is deprecated in
 // 3.12 and gone from 3.14 (and the 3.13 inline-values stores were not checked here): used on
 // 3.10-3.12 only, where tests/test_watch.py checks that every kind of slot change moves a tag; other
 // Pythons do the lookups every call.
@@ -151,7 +152,7 @@ PyObject* changed_(PyObject* args) {
   }
   bool lookups = true;
 #if KILN_DICT_TAGS
-  uint64_t* fresh = nullptr;
+  std::vector<uint64_t> fresh;  // allocated only when a tag moved
   if (saved != Py_None) {
     if (!tag_dicts || !PyByteArray_Check(saved) || !all_dicts(tag_dicts) ||
         PyByteArray_GET_SIZE(saved) != PyList_GET_SIZE(tag_dicts) * static_cast<Py_ssize_t>(sizeof(uint64_t))) {
@@ -162,14 +163,10 @@ PyObject* changed_(PyObject* args) {
     if (same_tags(tag_dicts, s, nullptr)) {
       lookups = false;
     } else {
-      fresh = new uint64_t[PyList_GET_SIZE(tag_dicts)];
-      same_tags(tag_dicts, s, fresh);
+      fresh.resize(PyList_GET_SIZE(tag_dicts));
+      same_tags(tag_dicts, s, fresh.data());
     }
   }
-  struct Fresh {  // freed on every return below
-    uint64_t* p;
-    ~Fresh() { delete[] p; }
-  } fresh_owner{fresh};
 #endif
   for (Py_ssize_t i = 0; lookups && i < n; ++i) {  // identity only: no object is read here
     PyObject* d = PyList_GET_ITEM(dicts, i);
@@ -190,8 +187,8 @@ PyObject* changed_(PyObject* args) {
       Py_RETURN_TRUE;
   }
 #if KILN_DICT_TAGS
-  if (fresh)  // every slot as it was: remember the tags they have now
-    memcpy(PyByteArray_AS_STRING(saved), fresh, PyByteArray_GET_SIZE(saved));
+  if (!fresh.empty())  // every slot as it was: remember the tags they have now
+    memcpy(PyByteArray_AS_STRING(saved), fresh.data(), PyByteArray_GET_SIZE(saved));
 #endif
   Py_RETURN_FALSE;
 }
