@@ -154,3 +154,72 @@ def test_state_kept_by_replacing_a_buffer_is_served_as_given(with_sample):
         assert int(model.count) == n
     assert fast.kiln_report.active == "original model"
     assert any("replaces buffer(s) count" in f.reason for f in fast.kiln_report.fallbacks)
+
+
+class Stasher(nn.Module):
+    """Keeps its last attention-like map for inspection, and counts calls in a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.head = nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        self.last_map = y.mean(1).detach()
+        self.calls += 1
+        return self.head(y.mean((2, 3)))
+
+
+class LazyCache(nn.Module):
+    """Fills a cache on its first call and only reads it afterwards (as swin's shift_size is set once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(8.0)
+        return self.lin(x) + self.table
+
+
+def test_per_call_state_names_what_moves_at_every_call_only():
+    from torchkiln.pristine import per_call_state
+    for model, want in ((Counter().eval(), ["calls", "count"]), (Stasher().eval(), ["calls", "last_map"]),
+                        (LazyCache().eval(), []), (nn.Linear(8, 8).eval(), [])):
+        x = torch.randn(2, 3, 8, 8) if isinstance(model, Stasher) else torch.randn(2, 8)
+        with torch.no_grad():
+            assert per_call_state(model, lambda m=model, x=x: m(x)) == want
+
+
+def test_state_kept_in_attributes_advances_as_eager_for_every_candidate():
+    """Traced and compiled candidates run copies (or no Python at all): served, they left the stored map
+    at optimize's sample and the counter still. Only candidates running the model's own modules compete."""
+    torch.manual_seed(5)
+    model = Stasher().eval()
+    twin = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="changes calls, last_map at every call"):
+        fast = tk.optimize(model, sample_input=torch.randn(2, 3, 16, 16), time_budget=0.2, candidates="torchkiln")
+    assert model.calls == 0 and not hasattr(model, "last_map")  # optimize's own runs left nothing
+    for _ in range(3):
+        x = torch.randn(2, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), twin(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.last_map, twin.last_map, rtol=1e-5, atol=1e-5)
+    assert model.calls == twin.calls == 3
+    assert fast.kiln_report.active == "original model"  # candidates="torchkiln": no other runs the model's modules
+    assert any("at every call" in f.reason for f in fast.kiln_report.fallbacks)
+
+
+def test_state_set_once_leaves_every_candidate_in():
+    torch.manual_seed(6)
+    model = LazyCache().eval()
+    x = torch.randn(4, 8)
+    fast = tk.optimize(model, sample_input=x, time_budget=0.2, candidates="torchkiln")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model.lin(x) + torch.arange(8.0), rtol=1e-5, atol=1e-5)
+    assert fast.kiln_report.active != "original model"
+    assert not any("at every call" in f.reason for f in fast.kiln_report.fallbacks)

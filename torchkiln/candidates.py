@@ -232,14 +232,27 @@ def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope
         # Only candidates that call the model's own modules (eager, a cast copy, autocast) run them.
         why = (f"forward hooks on {', '.join(hooks[:3])}{' and more' if len(hooks) > 3 else ''}: only candidates "
                "that run the model's own modules call them; remove the hooks to let the others compete")
-        if not any(f.reason == why for f in fallbacks):  # candidates() runs again at each rebuild
-            fallbacks.append(Fallback("traced and transformed candidates", "eager ones", why))
-        warn_once("hooks", f"torchkiln: {why}", owner=original)
-        out = [c for c in out if c.kind in ("eager", "original")]
+        out = _restrict(out, lambda c: c.kind in ("eager", "original"), why, "hooks", original, fallbacks)
     elif hooks:  # inplace=True transforms the model itself: nothing untouched is left to serve
         warn_once("hooks", f"torchkiln: forward hooks on {', '.join(hooks[:3])} may not run in the "
                   "model transformed in place (inplace=True); use inplace=False to keep them", owner=original)
     return out
+
+
+def _restrict(out: list[Candidate], keep, why: str, key: str, owner, fallbacks: list[Fallback]) -> list[Candidate]:
+    if not any(f.reason == why for f in fallbacks):  # candidates() runs again at each rebuild
+        fallbacks.append(Fallback("traced and transformed candidates", "eager ones", why))
+    warn_once(key, f"torchkiln: {why}", owner=owner)
+    return [c for c in out if keep(c)]
+
+
+def keeping_state(out: list[Candidate], names: list[str], owner, fallbacks: list[Fallback]) -> list[Candidate]:
+    """Only the candidates that run the original's own modules (live_weights: the model as given, under
+    autocast, or itself) keep ``names``, the state its forward changes at every call, as eager does: a
+    copy (cast, traced, compiled) would advance its own, and a frozen graph none."""
+    why = (f"the model's forward changes {', '.join(names[:3])}{' and more' if len(names) > 3 else ''} at every "
+           "call (state only its own modules keep); only candidates that run them compete")
+    return _restrict(out, lambda c: c.live_weights, why, "state", owner, fallbacks)
 
 
 def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str, cast: stock.SharedCast) -> Candidate:

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _log, inputs
 from ._log import warn_once
-from .candidates import Candidate, applied_for, candidates
+from .candidates import Candidate, applied_for, candidates, keeping_state
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
@@ -54,7 +54,7 @@ from .modelutil import (
 )
 from .owncalls import OwnCalls
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
-from .pristine import Pristine
+from .pristine import Pristine, per_call_state
 from .progress import ticks
 from .recipe import Recipe
 from .report import Fallback, Measurement, Report
@@ -92,6 +92,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
         s(self, "training", False)  # it serves inference (nn.Module.__init__ said True)
         s(self, "_llm", None)  # generate()'s (tk.llm copy, or None where it failed; the weight state it read)
+        s(self, "_state_names", None)  # what the forward changes at every call (per_call_state; None: not probed)
         self._show_signature()
         self._reset(choice=None)
 
@@ -99,8 +100,11 @@ class KilnModule(OwnCalls, OriginalFace):
     def _reset(self, choice: str | None) -> None:
         s = object.__setattr__
         o = self._opts
-        s(self, "_cands", candidates(self.kiln_original, self.kiln_recipe, self._sample, o["inplace"], o["scope"],
-                                     self.kiln_report.fallbacks))
+        cands = candidates(self.kiln_original, self.kiln_recipe, self._sample, o["inplace"], o["scope"],
+                           self.kiln_report.fallbacks)
+        if self._state_names:
+            cands = keeping_state(cands, self._state_names, self.kiln_original, self.kiln_report.fallbacks)
+        s(self, "_cands", cands)
         s(self, "_choice", choice)  # name of the candidate to rebuild (after a weight change or a copy)
         s(self, "_fn", None)
         s(self, "_served", None)
@@ -119,7 +123,7 @@ class KilnModule(OwnCalls, OriginalFace):
         # decision (which candidate serves) and rebuilds it on its first call.
         return {"original": self.kiln_original, "recipe": self.kiln_recipe, "report": self.kiln_report,
                 "sample": self._sample, "opts": self._opts, "choice": self._choice or self.kiln_report.active,
-                "sample_ref": self._sample_ref, "training": self.training}
+                "sample_ref": self._sample_ref, "training": self.training, "state_names": self._state_names}
 
     def __setstate__(self, state):
         nn.Module.__init__(self)
@@ -133,6 +137,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_sample_ref", state["sample_ref"])
         s(self, "training", False)
         s(self, "_llm", None)
+        s(self, "_state_names", state.get("state_names"))
         self._show_signature()
         choice = state["choice"]
         self._reset(choice=choice if choice != "pending first call" else None)
@@ -282,6 +287,26 @@ class KilnModule(OwnCalls, OriginalFace):
                 self._restore()
             return model(*ref_args, **ref_kwargs)
 
+    def _probe_state(self, args, kwargs) -> None:
+        """Find what the original's forward changes at every call (pristine.per_call_state) and, if
+        anything, leave only the candidates that keep it as eager does. A counter or stored attention
+        maps were left behind by every traced or compiled candidate (the twenty-ninth session's probes)."""
+        names: list[str] = []
+        if not self._opts["inplace"]:  # inplace: the transformed model is the caller's own
+            model = self.kiln_original
+            a, k = inputs.to((args, kwargs), model_device(model))
+
+            def run():
+                with eval_mode(model), torch.no_grad():
+                    model(*a, **k)
+            self._restore()
+            names = per_call_state(model, run)
+            self._restore()
+        object.__setattr__(self, "_state_names", names)
+        if names:
+            object.__setattr__(self, "_cands", keeping_state(self._cands, names, self.kiln_original,
+                                                             self.kiln_report.fallbacks))
+
     def _signature(self, args, kwargs) -> tuple:
         def sig(v):
             return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -308,6 +333,8 @@ class KilnModule(OwnCalls, OriginalFace):
             if ref is None and self._sample_ref is not None and self._sample is not None \
                     and self._signature(args, kwargs) == self._signature(*self._sample):
                 ref = self._sample_ref
+        if self._state_names is None:
+            self._probe_state(args, kwargs)
         measures = {m.name: m for m in report.candidates}
         if self._choice is not None:
             out = self._rebuild(args, kwargs, ref, measures)

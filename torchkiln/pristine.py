@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import inputs
-from .modelutil import plain_attrs, tensor_attrs, version
+from .modelutil import PLAIN, plain_attrs, tensor_attrs, version
 
 
 class Pristine:
@@ -26,6 +26,8 @@ class Pristine:
         buffers = [*model.buffers(), *(vars(m)[k] for m in model.modules() for k in tensor_attrs(m))]
         self._tensors = [(t, version(t), t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
         self._attrs = [(m, {k: vars(m)[k] for k in plain_attrs(m)}) for m in model.modules()]
+        # public attributes a run adds (``self.last_map = ...``) are taken away again
+        self._public = [(m, {k for k in vars(m) if not k.startswith("_")}) for m in model.modules()]
         self._n_buffers = len(buffers)
         # A forward that replaces a buffer (``self.n = self.n + 1``) leaves the old tensor untouched
         # and a new one in the slot: found by slot, not by version, and the old one put back.
@@ -51,6 +53,10 @@ class Pristine:
                     t.copy_(saved)
                     self.changed = True
                     self._tensors[i] = (t, version(t), saved)
+        for m, keys in self._public:
+            for k in [k for k in vars(m) if not k.startswith("_") and k not in keys]:
+                del vars(m)[k]
+                self.changed = True
         for m, saved in self._attrs:
             for k, v in saved.items():
                 if vars(m).get(k, v) is not v:
@@ -58,3 +64,47 @@ class Pristine:
                     self.changed = True
                     if not any(d is vars(m) and n == k for d, n in self.mutated_attrs):
                         self.mutated_attrs.append((vars(m), k))
+
+
+# torch's own bookkeeping in a module's __dict__: hooks and the registries, never state a forward keeps
+_INTERNAL = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+
+
+def state(model: nn.Module) -> dict:
+    """What a forward can keep between calls, by qualified name: every attribute of every module
+    (parameters and buffers by identity and version counter, other tensors likewise, plain values
+    by value, other objects by identity). A list appended to in place is not seen."""
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        items = [*m._parameters.items(), *m._buffers.items(),
+                 *((k, v) for k, v in vars(m).items() if k not in _INTERNAL and "hook" not in k)]
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                token = ("tensor", id(v), version(v))
+            elif type(v) in PLAIN:
+                token = ("value", type(v), v)
+            else:
+                token = ("object", id(v))
+            out[prefix + k] = token
+    return out
+
+
+def moved(before: dict, after: dict) -> list[str]:
+    """Names whose state differs (added, removed, replaced, written in place or re-valued)."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def per_call_state(model: nn.Module, run) -> list[str]:
+    """The state ``model``'s forward changes at every call, found by running it (``run``) once and,
+    if anything moved, once more from where the first call left it: what moves again is kept per
+    call (a counter, attention maps stored for later inspection); what a second call leaves alone
+    was set up once (swin's ``shift_size``, a cache filled on first use) and needs no care.
+    The caller restores the model afterwards (Pristine)."""
+    s0 = state(model)
+    run()
+    s1 = state(model)
+    if not moved(s0, s1):
+        return []
+    run()
+    return moved(s1, state(model))

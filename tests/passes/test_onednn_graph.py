@@ -111,3 +111,41 @@ def test_knob_off_means_no_candidate():
         warnings.simplefilter("ignore")
         fast = tk.optimize(convnet(), sample_input=torch.randn(1, 3, 16, 16), onednn_graph=False)
     assert not any("oneDNN graph" in c.name for c in fast.kiln_report.candidates)
+
+
+class Flags(nn.Module):
+    """Non-tensor inputs beside the tensor: a float scale, a string, and a flag that changes the output's form."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, scale=1.0, pool="mean", as_dict=False):
+        y = torch.relu(self.conv(x)) * scale
+        z = y.mean((2, 3)) if pool == "mean" else y.amax((2, 3))
+        return {"z": z} if as_dict else z
+
+
+def test_non_tensor_inputs_are_bound_one_trace_per_value():
+    """A float given positionally failed torch.jit.trace ("Tuple[Tensor, float] cannot be traced"),
+    which stepped the whole candidate down; a later signature whose output a trace would change
+    runs eagerly instead of raising. References: the model itself, call for call."""
+    model = Flags().eval()
+    fn = OneDNNGraph(model, max_signatures=8)
+    x = torch.randn(2, 3, 10, 10)
+    calls = [((x,), {}), ((x, 2.0), {}), ((x,), {"scale": 3.0, "pool": "max"}), ((x, 0.5, "max"), {}),
+             ((x,), {"as_dict": True})]
+    for args, kwargs in calls:
+        with torch.no_grad():
+            out, ref = fn(*args, **kwargs), model(*args, **kwargs)
+        if isinstance(ref, dict):
+            assert isinstance(out, dict) and out.keys() == ref.keys()
+            out, ref = out["z"], ref["z"]
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    eager = [k for k, t in fn.traces.items() if t is onednn_graph._EAGER]
+    assert len(fn.traces) == 5 and eager == [onednn_graph.signature((x,), {"as_dict": True})]
+
+
+def test_an_untraceable_first_signature_still_refuses():
+    with pytest.raises(Unsupported, match="outputs are not a tensor"):
+        OneDNNGraph(Flags().eval())(torch.randn(1, 3, 8, 8), as_dict=True)
