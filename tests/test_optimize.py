@@ -801,3 +801,47 @@ def test_a_dropped_optimized_model_leaves_no_copies_behind():
     assert held >= size  # the model itself, at least
     del fast, model
     assert live_tensor_bytes() - before < size // 8, held
+
+
+def test_a_call_form_the_served_candidate_fails_on_detours_alone(monkeypatch):
+    """One call with an option the compiled graph could not run (transformers' output_hidden_states=True
+    under fullgraph: "Unsupported context manager") stepped every later call down to the eager passes.
+    Now only calls of that form go one step down; the reference is the model itself."""
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x, double=False):
+            y = self.net(x)
+            return y * 2 if double else y
+
+    class FailsOnFlag(nn.Module):
+        def __init__(self, runner):
+            super().__init__()
+            self.runner = runner
+
+        def forward(self, *a, **k):
+            if k.get("double"):
+                raise RuntimeError("Unsupported context manager")
+            return self.runner(*a, **k)
+
+    monkeypatch.setattr(cand_mod, "compile_model", lambda runner, *a, **k: FailsOnFlag(runner))
+    compiled_wins(monkeypatch)
+    log_mod._warned.clear()
+    m, x = Flagged().eval(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0)
+    first = o.kiln_report.active
+    assert first.startswith("torchkiln compiled")
+    for verify in ("shapes", "first"):  # a new signature under verification, and one served unverified
+        o._opts["verify"] = verify
+        o._detours.clear()
+        log_mod._warned_by.pop(o, None)
+        with pytest.warns(UserWarning, match="calls with double=True go to torchkiln eager passes"):
+            torch.testing.assert_close(o(x, double=True), m(x, double=True), rtol=1e-4, atol=1e-5)
+        assert o.kiln_report.active == first
+        assert o.kiln_report.fallbacks[-1].reason.startswith("for calls with double=True only")
+        n = len(o.kiln_report.fallbacks)
+        torch.testing.assert_close(o(x, double=True), m(x, double=True), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+        assert len(o.kiln_report.fallbacks) == n and o.kiln_report.active == first

@@ -41,6 +41,7 @@ from .hardware import detect, resolve_device
 from .hookwatch import HookWatch
 from .modelutil import (
     DTYPES,
+    PLAIN,
     dtype_name,
     eval_mode,
     first_line,
@@ -65,6 +66,7 @@ log = logging.getLogger(__name__)
 VERIFY = ("shapes", "first", "off")
 SCOPES = ("auto", "torchkiln")
 VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
+MAX_DETOURS = 8  # call forms the served candidate fails on, each sent one step down on its own; then all are
 SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (timing noise on a 2-core VM is ~3%)
 # nn.Module.__call__ as imported. torch.fx's tracer replaces nn.Module.__call__ process-wide while
 # it traces, so a second thread calling the model during another thread's first-call setup
@@ -117,6 +119,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
         s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
         s(self, "_grad", None)  # (callable, words): what answers calls that need autograd (_grad_run)
+        s(self, "_detours", {})  # signature -> (Candidate, callable): call forms the served one failed on
 
     def __getstate__(self):
         # Compiled code, locks and graph pools don't copy or pickle: a copy keeps the
@@ -169,6 +172,12 @@ class KilnModule(OwnCalls, OriginalFace):
             if out is not _RACED:
                 return out
             fn, new_shape = self._fn, self._check_shape(args, kwargs)
+        if self._detours:
+            detour = self._detours.get(self._signature(args, kwargs))
+            if detour is not None:
+                if not detour[0].live_weights and self._stale():
+                    return self._refreshed(args, kwargs)
+                return self._serve(detour[1], args, kwargs, detour[0])
         if new_shape:
             with self._lock, self._pristine(args, kwargs):
                 return self._verify_shape(args, kwargs)
@@ -182,7 +191,8 @@ class KilnModule(OwnCalls, OriginalFace):
             with self._lock:
                 if self._fn is fn:
                     with self._pristine(args, kwargs):
-                        return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}")
+                        return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}",
+                                               detour=self._signature(args, kwargs) not in self._shapes)
             return self.forward(*args, **kwargs)
         if late and self._stale():
             return self._refreshed(args, kwargs)
@@ -244,9 +254,9 @@ class KilnModule(OwnCalls, OriginalFace):
                                "model serves inference only. Call model.eval() on it, or optimize with optimizer= "
                                "for training")
 
-    def _serve(self, fn, args, kwargs):
+    def _serve(self, fn, args, kwargs, cand: Candidate | None = None):
         self._inference_only()
-        if self._served.cuda_graphs:
+        if (cand or self._served).cuda_graphs:
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
@@ -308,8 +318,10 @@ class KilnModule(OwnCalls, OriginalFace):
                                                              self.kiln_report.fallbacks))
 
     def _signature(self, args, kwargs) -> tuple:
-        def sig(v):
-            return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+        def sig(v):  # plain values by value: output_hidden_states=True is another call form than False
+            if isinstance(v, torch.Tensor):
+                return (tuple(v.shape), v.dtype)
+            return (type(v).__name__, v) if type(v) in PLAIN else type(v).__name__
         return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in kwargs.items())
 
     def _mark_verified(self, args, kwargs) -> None:
@@ -574,7 +586,7 @@ class KilnModule(OwnCalls, OriginalFace):
         except Exception as e:
             if is_oom(e) or self._served.kind == "original":
                 raise
-            return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}", ref)
+            return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}", ref, detour=True)
         if ref is not None and self._served.kind != "original":
             v = verdict(out, ref, self._tols or tolerances(DTYPES[self.kiln_recipe.dtype], None, 1))
             if not v.ok:
@@ -583,9 +595,15 @@ class KilnModule(OwnCalls, OriginalFace):
         self._mark_verified(args, kwargs)
         return out
 
-    def _step_down(self, args, kwargs, reason: str, ref=None):
+    def _step_down(self, args, kwargs, reason: str, ref=None, detour: bool = False):
         """Walk the measured order below the served candidate; a step is taken only if
-        it runs these inputs and passes the guard. The original ends the walk."""
+        it runs these inputs and passes the guard. The original ends the walk.
+
+        ``detour``: the served candidate failed on a call form it never answered (another flag, an
+        output option): the step serves that form only, and the rest stay where they were. One
+        ``output_hidden_states=True`` call used to leave every later call on the eager passes."""
+        if detour and len(self._detours) < MAX_DETOURS:
+            return self._detour(args, kwargs, reason, ref)
         if ref is None:
             ref = self._reference(args, kwargs)  # user errors raise here, unchanged
         report = self.kiln_report
@@ -607,6 +625,29 @@ class KilnModule(OwnCalls, OriginalFace):
             self._mark_verified(args, kwargs)
             return self._for_real(fn, args, kwargs)
         return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
+
+    def _detour(self, args, kwargs, reason: str, ref):
+        if ref is None:
+            ref = self._reference(args, kwargs)
+        here = self._served.name
+        below = self._order[self._order.index(here) + 1:] if here in self._order else []
+        measures = {m.name: m for m in self.kiln_report.candidates}
+        cands = [self._find(n) for n in below] + [c for c in self._cands if c.kind == "original"]
+        for cand in cands:
+            fn, out, why = self._try(cand, args, kwargs, measures) if cand.kind != "original" else \
+                (cand.make(), None, None)
+            if fn is None or (out is not None and ref is not None and self._tols is not None
+                              and not verdict(out, ref, self._tols).ok):
+                continue
+            form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
+                "these input shapes"
+            self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
+            warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} failed on "
+                      f"them: {reason}); other calls stay on {here}", owner=self)
+            self._detours[self._signature(args, kwargs)] = (cand, fn)
+            self._restore()
+            return self._serve(fn, args, kwargs, cand)
+        return self._step_down(args, kwargs, reason, ref)  # nothing answers them: cannot happen with an original
 
     # ------------------------------------------------------- the original's face
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
