@@ -66,3 +66,35 @@ def test_inputs_made_under_inference_mode(tok):
     assert fast.kiln_report.active.startswith("torchkiln compiled")
     for g in got:
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_padding_per_batch_compiles_once_more_not_per_length(monkeypatch):
+    """Tokenizing each batch with padding=True gives a new sequence length per batch. The compiled
+    candidate recompiled at every one (3-5 s each for this size on a 2-core Zen 5), and after 8 the
+    recompile limit moved calls off it; stock torch.compile compiles a dynamic graph on the second
+    length. References: the model itself, call for call."""
+    import importlib
+
+    from torch._dynamo.utils import counters
+    opt_mod = importlib.import_module("torchkiln.optimize")
+    monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {  # the compiled candidate wins
+        n: [0.001 if n.startswith("torchkiln compiled") else 0.002] * 3 for n in fns})
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=96, pad_token_id=0)).eval()
+
+    def batch(length):
+        ids = torch.randint(3, 96, (2, length))
+        mask = torch.ones_like(ids)
+        mask[1, length // 2:] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+
+    fast = tk.optimize(bert, sample_input=batch(24), candidates="torchkiln", time_budget=0)
+    assert fast.kiln_report.active == "torchkiln compiled (float32)"
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for length in (17, 31, 12, 40, 27, 9):
+            b = batch(length)
+            torch.testing.assert_close(fast(**b).last_hidden_state, bert(**b).last_hidden_state, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] - before == 1  # one dynamic graph for every new length
+    assert fast.kiln_report.active == "torchkiln compiled (float32)" and not fast.kiln_report.fallbacks

@@ -243,11 +243,11 @@ def _key(b) -> tuple | None:
     q, k, v = b["query"], b["key"], b["value"]
     if q.device.type != "cpu":
         return None
-    try:
-        shapes = tuple(tuple(int(d) for d in t.shape) for t in (q, k, v))
-    except TypeError:  # symbolic (dynamic) shapes: no measured choice applies
-        return None
-    return shapes, str(q.dtype), bool(b["is_causal"]), bool(b["enable_gqa"])
+    return tuple(tuple(t.shape) for t in (q, k, v)), *_rest(b)
+
+
+def _rest(b) -> tuple:
+    return str(b["query"].dtype), bool(b["is_causal"]), bool(b["enable_gqa"])
 
 
 # The forms the router chooses between: eager (an opaque op) and traced (inline, for
@@ -283,7 +283,8 @@ class SDPARouter(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        self.seen += 1
+        if not torch.compiler.is_compiling():  # traced, the count is a guard: every call would recompile
+            self.seen += 1
         b = bind_sdpa(args, kwargs)
         tensors = [b[n] for n in ("query", "key", "value", "attn_mask") if b[n] is not None]
         # The ops have no backward.
@@ -299,10 +300,21 @@ class SDPARouter(TorchFunctionMode):
     def _route(self, b):
         if self.mode == "opaque":
             return torch.ops.torchkiln.sdpa
-        key = _key(b)
-        if key is not None and self.calibrating and key not in self.choices:
-            self._measure(key, b)
-        form = self.choices.get(key)
+        if b["query"].device.type != "cpu":
+            return None
+        rest = _rest(b)
+        forms = {c for k, c in self.choices.items() if k[1:] == rest} if torch.compiler.is_compiling() else ()
+        if len(forms) == 1:
+            # One form for every measured shape: no lookup by shape. Looking a shape up while traced
+            # guards on its sizes (dynamo reads symbolic sizes as ints), so a graph compiled for many
+            # sequence lengths recompiled for each one: a tiny BERT with padding per batch took 3-5 s
+            # per new length on a 2-core Zen 5, where stock torch.compile compiled twice in all.
+            form = next(iter(forms))
+        else:
+            key = _key(b)
+            if self.calibrating and key not in self.choices:
+                self._measure(key, b)
+            form = self.choices.get(key)
         if form is None:
             return None
         if form == "sdpa":
