@@ -10,8 +10,12 @@ Rules (the numeric guard of optimize()):
   2x that error plus a small floor, capped at 5e-2 (bf16) / 2e-2 (fp16). A
   recipe that loses precision (say, its fp32 islands) then fails, while one as
   good as a plain cast passes.
-- integer outputs must be equal; a NaN or inf the original doesn't have fails;
-  a shape or structure change fails.
+- integer and boolean outputs (a threshold, an argmax): the share of elements that
+  differ, held to the same tolerances. At a lower precision a value at the edge flips
+  as it does under the plain cast (a bf16 classifier's ``softmax > t`` mask failed
+  every compiled candidate when exact equality was asked); an output smaller than
+  1/tolerance elements must still be equal. A NaN or inf the original doesn't have
+  fails; a shape or structure change fails.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Error:
     rel: float  # ||a - b|| / ||b|| (absolute ||a - b|| where ||b|| = 0)
     argmax_agree: float | None = None  # for logits: share of rows whose argmax agrees
     shapes_match: bool = True
+    discrete: bool = False  # an integer or boolean output: ``rel`` is the share of elements that differ
 
     def ok(self, tolerance: float) -> bool:
         return self.shapes_match and math.isfinite(self.rel) and self.rel <= tolerance
@@ -49,6 +54,8 @@ class Error:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.discrete:
+            return f"{self.rel:.3%} of elements differ (max_abs={self.max_abs:.3g})"
         s = f"max_abs={self.max_abs:.3g} rel={self.rel:.3g}"
         return s + (f" argmax_agree={self.argmax_agree:.1%}" if self.argmax_agree is not None else "")
 
@@ -72,7 +79,14 @@ def _one(x: torch.Tensor, y: torch.Tensor, logits: bool) -> Error:
     if x.shape != y.shape:
         return _MISMATCH
     if not y.is_floating_point() and not y.is_complex():
-        return Error(0.0, 0.0) if torch.equal(x.cpu(), y.cpu()) else _BROKEN
+        x, y = x.detach().cpu(), y.detach().cpu()
+        if x.dtype != y.dtype:
+            return _BROKEN
+        if torch.equal(x, y):
+            return Error(0.0, 0.0, discrete=True)
+        differ = x != y
+        max_abs = 1.0 if y.dtype == torch.bool else float((x.double() - y.double()).abs().max())
+        return Error(max_abs, float(differ.double().mean()), discrete=True)
     x, y = x.detach().double().cpu(), y.detach().double().cpu()
     if not bool(torch.isfinite(x).eq(torch.isfinite(y)).all()):
         return _BROKEN  # a NaN/inf where the original has none (or the reverse)
