@@ -447,9 +447,9 @@ def test_opaque_softmax_only_for_the_bf16_form_when_compiled(monkeypatch):
 
 @pytest.mark.parametrize("choices", [("math",), ("math", "sdpa")], ids=["one-form", "mixed"])
 def test_a_graph_compiled_for_many_lengths_is_not_recompiled_per_length(choices):
-    """Where every measured shape chose one form, the traced router never looks a shape up: a lookup
-    guards on the sizes (dynamo reads symbolic sizes as ints), and a tiny BERT with padding per batch
-    recompiled at every new length (3-5 s each on a 2-core Zen 5). Mixed choices still key by shape."""
+    """Traced, the router never looks a shape up: a lookup guards on the sizes (dynamo reads symbolic
+    sizes as ints), and a tiny BERT with padding per batch recompiled at every new length (3-5 s each
+    on a 2-core Zen 5), a small BART (mixed choices) too."""
     from torch._dynamo.utils import counters
 
     r = SDPARouter()
@@ -472,4 +472,18 @@ def test_a_graph_compiled_for_many_lengths_is_not_recompiled_per_length(choices)
             q, k, v = qkv(L=L, S=L)
             torch.testing.assert_close(compiled(q, k, v).double(), ref_sdpa(q, k, v) * 2, rtol=1e-5, atol=1e-5)
     graphs = counters["stats"]["unique_graphs"] - before
-    assert graphs == (2 if len(choices) == 1 else len(lengths))  # static, then one dynamic graph
+    assert graphs == 2  # static, then one dynamic graph
+
+
+def test_traced_form_of_mixed_choices_is_the_least_total_time():
+    r = SDPARouter()
+    a, b, c = ((((1, 4, n, 8),) * 3, "torch.float32", False, False) for n in (128, 32, 48))
+    r.choices = {a: "math", b: "sdpa", c: "sdpa"}
+    r.timings = {a: {"math": 142e-6, "sdpa": 145e-6}, b: {"math": 43e-6, "sdpa": 28e-6}, c: {"math": 54e-6, "sdpa": 47e-6}}
+    rest = ("torch.float32", False, False)
+    assert r._traced_form(rest) == "sdpa"  # 220 us against 239
+    r.timings[a] = {"math": 100e-6, "sdpa": 145e-6}
+    assert r._traced_form(rest) == "math"  # 197 against 220
+    r.timings = {}
+    assert r._traced_form(rest) == "sdpa"  # unmeasured: the most chosen
+    assert r._traced_form(("torch.bfloat16", False, False)) is None  # nothing measured for bf16: SDPA as called

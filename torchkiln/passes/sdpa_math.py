@@ -259,6 +259,21 @@ def _rest(b) -> tuple:
 FORMS = {"math": (math_attention, "sdpa_math", False), "math-bf16": (low_math_attention, "sdpa_math_bf16", True)}
 
 
+class _Choices(dict):
+    """A router's measured choices; a write (by _measure, or by hand in a test or a benchmark) updates
+    the router's ``traced`` forms too."""
+
+    def __init__(self, router: SDPARouter, items: dict):
+        super().__init__(items)
+        self.router = router
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        router = self.__dict__.get("router")  # unpickling sets the items before the attribute
+        if router is not None:
+            router._retrace()
+
+
 class SDPARouter(TorchFunctionMode):
     """Enter around a model call. mode="auto": ``calibrating=True`` measures unseen
     shapes on real inputs (CPU); "auto-bf16": also the math form in bf16, for float32
@@ -273,8 +288,8 @@ class SDPARouter(TorchFunctionMode):
         if mode not in ("auto", "auto-bf16", "opaque"):
             raise ValueError(f"SDPARouter mode must be 'auto', 'auto-bf16' or 'opaque', not {mode!r}")
         self.mode = mode
-        self.choices: dict[tuple, str] = {}  # key -> "sdpa" | "math" | "math-bf16"
         self.timings: dict[tuple, dict[str, float]] = {}  # key -> {form: seconds}
+        self.choices = {}  # key -> "sdpa" | "math" | "math-bf16" (and ``traced``: (dtype, causal, gqa) -> form)
         self.calibrating = False
         self.seen = 0  # attention calls met (Runner.calibrate drops a router that met none)
         self.opaque_softmax = type(self).OPAQUE_SOFTMAX
@@ -302,14 +317,12 @@ class SDPARouter(TorchFunctionMode):
             return torch.ops.torchkiln.sdpa
         if b["query"].device.type != "cpu":
             return None
-        rest = _rest(b)
-        forms = {c for k, c in self.choices.items() if k[1:] == rest} if torch.compiler.is_compiling() else ()
-        if len(forms) == 1:
-            # One form for every measured shape: no lookup by shape. Looking a shape up while traced
-            # guards on its sizes (dynamo reads symbolic sizes as ints), so a graph compiled for many
-            # sequence lengths recompiled for each one: a tiny BERT with padding per batch took 3-5 s
-            # per new length on a 2-core Zen 5, where stock torch.compile compiled twice in all.
-            form = next(iter(forms))
+        if torch.compiler.is_compiling():
+            # Traced: one form per (dtype, causal, gqa), never a lookup by shape. A lookup guards on the
+            # sizes (dynamo reads symbolic sizes as ints), so a graph compiled for many sequence lengths
+            # recompiled at each one: padding per batch cost 3-5 s per new length for a tiny BERT and 6-7 s
+            # for a small BART on a 2-core Zen 5, where stock torch.compile compiles twice in all.
+            form = self.traced.get(_rest(b))
         else:
             key = _key(b)
             if self.calibrating and key not in self.choices:
@@ -323,6 +336,35 @@ class SDPARouter(TorchFunctionMode):
         if not torch.compiler.is_compiling():
             return getattr(torch.ops.torchkiln, op)
         return functools.partial(inline, opaque_softmax=opaque and self.opaque_softmax)
+
+    @property
+    def choices(self) -> dict[tuple, str]:
+        return self._choices
+
+    @choices.setter
+    def choices(self, value: dict[tuple, str]) -> None:
+        self._choices = _Choices(self, value)
+        self._retrace()
+
+    def _retrace(self) -> None:
+        # Read by traced code as a plain dict: dynamo guards on its contents (so a changed choice
+        # recompiles), and computing it there would not trace (min with a key).
+        if "_choices" in self.__dict__:  # (a copy being made: its own traced forms are copied as well)
+            self.traced = {k[1:]: self._traced_form(k[1:]) for k in self._choices}
+
+    def _traced_form(self, rest: tuple) -> str | None:
+        """The form for every shape of this (dtype, causal, gqa) group in a traced graph: the one its
+        measured shapes chose where they agree; otherwise the one with the least time summed over them
+        (a small BART: math 142 vs SDPA 145 us at its encoder's shape, SDPA 28 vs 43 and 47 vs 54 at the
+        decoder's: SDPA for all, 3 us given up), or, unmeasured (set by hand), the most chosen."""
+        group = [k for k in self.choices if k[1:] == rest]
+        chosen = [self.choices[k] for k in group]
+        if len(set(chosen)) <= 1:
+            return chosen[0] if chosen else None
+        forms = sorted(set.intersection(*(set(self.timings.get(k, ())) for k in group)))
+        if forms:
+            return min(forms, key=lambda f: (sum(self.timings[k][f] for k in group), f != "sdpa"))
+        return max(sorted(set(chosen)), key=chosen.count)
 
     def _measure(self, key, b) -> None:
         q, k, v, m = b["query"], b["key"], b["value"], b["attn_mask"]
@@ -345,7 +387,7 @@ class SDPARouter(TorchFunctionMode):
         # inductor fuses their softmax: at equal eager times the compiled math form measured
         # 1.05x SDPA's flash kernel (bert-base fp32 bs1, 2-core Zen 4; RESULTS.md). So math
         # wherever it is not slower eager.
-        self.choices[key] = min(t, key=lambda n: (t[n], n == "sdpa"))
+        self._choices[key] = min(t, key=lambda n: (t[n], n == "sdpa"))
 
     def summary(self) -> str:
         if self.mode == "opaque":
