@@ -61,3 +61,28 @@ def test_a_bf16_classifier_returning_a_threshold_mask_keeps_its_compiled_candida
     baseline = float((cast_mask != ref_mask).double().mean())
     assert float((mask != ref_mask).double().mean()) <= 2 * baseline + FLOOR[torch.bfloat16]
     assert not [c for c in fast.kiln_report.candidates if "differ" in (c.reason or "")]
+
+
+def test_a_dataclass_output_is_compared_field_by_field():
+    """A model's own output dataclass (no pytree node) was one opaque leaf: no tensor compared, every
+    candidate passed unverified. Its tensors now count, nested ones too; CUDA-graph copies clone them."""
+    import dataclasses
+
+    from torchkiln import inputs
+
+    @dataclasses.dataclass(frozen=True)
+    class Out:
+        logits: torch.Tensor
+        extra: tuple
+        name: str = "x"
+
+    a, b = torch.randn(4, 10), torch.randn(3)
+    ref = Out(a, (b, 7))
+    assert [t.data_ptr() for t in inputs.flatten(ref)] == [a.data_ptr(), b.data_ptr()]
+    tols = tolerances(torch.float32, None, 2)
+    assert verdict(Out(a.clone(), (b.clone(), 7)), ref, tols).ok
+    assert not verdict(Out(a, (b * 1.01, 7)), ref, tols).ok
+    assert compare_each(ref, ref)[0].argmax_agree == 1.0  # (N, C): read as logits
+    copied = inputs.clone((ref,))[0]
+    assert type(copied) is Out and copied.name == "x" and copied.extra[1] == 7
+    assert copied.logits.data_ptr() != a.data_ptr() and torch.equal(copied.extra[0], b)

@@ -66,13 +66,16 @@ _BROKEN = Error(math.inf, math.inf, None)
 
 def _logit_paths(obj) -> list[bool]:
     """For each tensor leaf: is it logits (an HF ``logits`` field, or a 2-D (N, C) output)?"""
+    tensors = flatten(obj)
     try:
         leaves, _ = pytree.tree_flatten_with_path(obj)
     except (AttributeError, ValueError):
         # old torch: no paths; or a pytree node registered without key paths (transformers 4.x's
         # ModelOutput on torch 2.6: "Did not find a flatten_with_keys_fn"): judge by shape alone
-        return [t.dim() == 2 for t in flatten(obj)]
-    return [any("logits" in str(k) for k in path) or t.dim() == 2 for path, t in leaves if isinstance(t, torch.Tensor)]
+        return [t.dim() == 2 for t in tensors]
+    paths = [any("logits" in str(k) for k in path) or t.dim() == 2 for path, t in leaves if isinstance(t, torch.Tensor)]
+    # a dataclass output (flatten walks it, pytree does not): by shape alone
+    return paths if len(paths) == len(tensors) else [t.dim() == 2 for t in tensors]
 
 
 def _one(x: torch.Tensor, y: torch.Tensor, logits: bool) -> Error:
