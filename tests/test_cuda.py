@@ -104,6 +104,35 @@ def test_cuda_graph_outputs_survive_later_calls_and_threads():
         torch.testing.assert_close(y, model(x), rtol=1e-3, atol=1e-3)
 
 
+def test_cuda_graph_outputs_in_a_dataclass_survive_later_calls():
+    """A model's own output dataclass was a pytree leaf: its tensors were not copied out of the graph
+    pool, so the next replay overwrote the previous answer."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Wrap(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return Out(self.net(x))
+
+    net, _ = zoo.load("mlp", batch=8)
+    model = Wrap(net).cuda().eval()
+    xs = [torch.randn(8, 256, device="cuda") for _ in range(3)]
+    o = tk.optimize(model, sample_input=xs[0], candidates="torchkiln", time_budget=0)
+    o._install("torchkiln compiled (float32) + CUDA graphs", o._find("torchkiln compiled (float32) + CUDA graphs").make(),
+               o._order)
+    outs = [o(x) for x in xs]
+    for x, y in zip(xs, outs, strict=True):
+        assert type(y) is Out
+        torch.testing.assert_close(y.logits, model(x).logits, rtol=1e-3, atol=1e-3)
+
+
 def test_served_cuda_graph_calls_keep_the_per_call_checks_quick_and_hooks_fire():
     """The hook check reads every module's dicts only when RemovableHandle's id counter moves, and
     the weight check skips its lookups while no dict's version tag moves: replays must move neither.
