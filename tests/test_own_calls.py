@@ -235,3 +235,27 @@ def test_grad_calls_run_the_requested_precision_only_where_it_passed_and_was_fas
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     other = generator_grad(model if expect == "autocast" else autocast_bf16(model), gen, x)
     assert (other - ref).abs().max() > 0  # the two references differ: the test tells them apart
+
+
+def test_functional_call_runs_the_original_for_that_call_with_gradients(served):
+    """torch.func.functional_call swaps tensors into the parameter slots for one call. The served form
+    was rebuilt for them (and again when they were swapped back), and under grad mode its output had
+    no grad_fn: backward raised where eager works. Reference: functional_call on the model itself."""
+    from torch.func import functional_call
+
+    model, fast, x = served
+    fn = fast._fn
+    params = {k: v.detach() * 1.5 for k, v in model.named_parameters()}
+    ours = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    with pytest.warns(UserWarning, match="functional_call"):
+        out = functional_call(fast, ours, (x,))
+    functional_call(model, ref, (x,)).square().sum().backward()
+    out.square().sum().backward()
+    for k in params:
+        torch.testing.assert_close(ours[k].grad, ref[k].grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(functional_call(fast, params, (x,)), functional_call(model, params, (x,)))
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)  # the originals are back
+    assert fast._fn is fn  # nothing was rebuilt, for the swap or the swap back
+    assert any("functional_call" in f.step for f in fast.kiln_report.fallbacks)

@@ -90,6 +90,13 @@ def tensor_attrs(m: nn.Module) -> list[str]:
     return [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
 
 
+def swapped_parameters(model: nn.Module) -> bool:
+    """Does a parameter slot hold a tensor that is no ``nn.Parameter``? torch.func.functional_call
+    (stateless reparametrization) puts its tensors there for one call; a lasting replacement goes
+    through ``nn.Parameter`` (setattr refuses a plain tensor) or ``p.data``."""
+    return any(t is not None and not isinstance(t, nn.Parameter) for m in model.modules() for t in m._parameters.values())
+
+
 def tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 

@@ -51,6 +51,7 @@ from .modelutil import (
     model_device,
     model_dtype,
     parse_dtype,
+    swapped_parameters,
     training_module,
 )
 from .owncalls import OwnCalls
@@ -203,6 +204,8 @@ class KilnModule(OwnCalls, OriginalFace):
         _RACED when another thread did it first."""
         with self._lock:
             if self._fn is None or self._stale():
+                if swapped_parameters(self.kiln_original):  # for this call only: no setup, no rebuild
+                    return self._own_call(args, kwargs, "functional")
                 if self._fn is not None and training_module(self.kiln_original) is not None:
                     # No rebuild: the snapshot stays the built form's, so once back in eval mode
                     # (with nothing else changed) calls are served again as they were.

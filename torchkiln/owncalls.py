@@ -30,6 +30,11 @@ _OWN_CALLS = {
                  "a submodule was put in training mode after optimize (Monte Carlo dropout, BatchNorm statistics): "
                  "the optimized form runs it in eval mode (dropout was deterministic, silently); put it back with "
                  ".eval() for the fast path"),
+    "functional": ("calls with the original's parameters swapped for other tensors (torch.func.functional_call)",
+                   "the original model (eager, with autograd)",
+                   "the optimized form holds the weights it was built with; rebuilding it for tensors swapped in for "
+                   "one call (and again when they are swapped back) would cost a build per call, and no gradient "
+                   "would reach them; call the model itself for the fast path"),
     "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
               "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
               "call them; remove them, or tk.optimize again with them in place, for the fast path"),
