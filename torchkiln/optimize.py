@@ -605,14 +605,31 @@ class KilnModule(OwnCalls, OriginalFace):
         ``detour``: the served candidate failed on a call form it never answered (another flag, an
         output option): the step serves that form only, and the rest stay where they were. One
         ``output_hidden_states=True`` call used to leave every later call on the eager passes."""
-        if detour and len(self._detours) < MAX_DETOURS:
-            return self._detour(args, kwargs, reason, ref)
         if ref is None:
             ref = self._reference(args, kwargs)  # user errors raise here, unchanged
-        report = self.kiln_report
+        here = self._served.name
+        step = self._next_step(args, kwargs, ref)
+        if detour and len(self._detours) < MAX_DETOURS:
+            original = next((c for c in self._cands if c.kind == "original"), None)
+            if step is None and original is not None:
+                step = (original, original.make())
+            if step is not None:
+                return self._detour(args, kwargs, reason, *step)
+        if step is None:
+            return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
+        cand, fn = step
+        self.kiln_report.fallbacks.append(Fallback(here, cand.name, reason))
+        warn_once(f"fb:{here}", f"torchkiln: {here} -> {cand.name}: {reason}", owner=self)
+        self._install(cand.name, fn, self._order)
+        self._mark_verified(args, kwargs)
+        return self._for_real(fn, args, kwargs)
+
+    def _next_step(self, args, kwargs, ref) -> tuple[Candidate, object] | None:
+        """The first candidate below the served one, in measured order and short of the original,
+        that runs these inputs and passes the guard, with its callable."""
         here = self._served.name
         below = self._order[self._order.index(here) + 1:] if here in self._order else []
-        measures = {m.name: m for m in report.candidates}
+        measures = {m.name: m for m in self.kiln_report.candidates}
         for name in below:
             cand = self._find(name)
             if cand.kind == "original":
@@ -622,35 +639,20 @@ class KilnModule(OwnCalls, OriginalFace):
                 continue
             if ref is not None and self._tols is not None and not verdict(out, ref, self._tols).ok:
                 continue
-            report.fallbacks.append(Fallback(here, cand.name, reason))
-            warn_once(f"fb:{here}", f"torchkiln: {here} -> {cand.name}: {reason}", owner=self)
-            self._install(cand.name, fn, self._order)
-            self._mark_verified(args, kwargs)
-            return self._for_real(fn, args, kwargs)
-        return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
+            return cand, fn
+        return None
 
-    def _detour(self, args, kwargs, reason: str, ref):
-        if ref is None:
-            ref = self._reference(args, kwargs)
+    def _detour(self, args, kwargs, reason: str, cand: Candidate, fn):
+        """Serve this call form with ``cand`` from now on; the served candidate stays for the rest."""
         here = self._served.name
-        below = self._order[self._order.index(here) + 1:] if here in self._order else []
-        measures = {m.name: m for m in self.kiln_report.candidates}
-        cands = [self._find(n) for n in below] + [c for c in self._cands if c.kind == "original"]
-        for cand in cands:
-            fn, out, why = self._try(cand, args, kwargs, measures) if cand.kind != "original" else \
-                (cand.make(), None, None)
-            if fn is None or (out is not None and ref is not None and self._tols is not None
-                              and not verdict(out, ref, self._tols).ok):
-                continue
-            form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
-                "these input shapes"
-            self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
-            warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} failed on "
-                      f"them: {reason}); other calls stay on {here}", owner=self)
-            self._detours[self._signature(args, kwargs)] = (cand, fn)
-            self._restore()
-            return self._serve(fn, args, kwargs, cand)
-        return self._step_down(args, kwargs, reason, ref)  # nothing answers them: cannot happen with an original
+        form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
+            "this input signature"
+        self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
+        warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} failed on "
+                  f"them: {reason}); other calls stay on {here}", owner=self)
+        self._detours[self._signature(args, kwargs)] = (cand, fn)
+        self._restore()
+        return self._serve(fn, args, kwargs, cand)
 
     # ------------------------------------------------------- the original's face
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

@@ -239,11 +239,8 @@ def _autocast(b):
     return {**b, **cast}
 
 
-def _key(b) -> tuple | None:
-    q, k, v = b["query"], b["key"], b["value"]
-    if q.device.type != "cpu":
-        return None
-    return tuple(tuple(t.shape) for t in (q, k, v)), *_rest(b)
+def _key(b) -> tuple:
+    return tuple(tuple(b[n].shape) for n in ("query", "key", "value")), *_rest(b)
 
 
 def _rest(b) -> tuple:
