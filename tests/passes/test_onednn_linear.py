@@ -45,3 +45,47 @@ def test_bf16():
 def test_measure_reports_both_paths():
     r = measure(torch.float32, 64, 128, 128, iters=3)
     assert set(r) == {"aten", "onednn"} and all(v > 0 for v in r.values())
+
+
+class _Acts(nn.Module):
+    """Each activation form torchkiln fuses, one not fused (the GEMM output has a second user), and a
+    plain linear; reference: the same layers as nn.Linear in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))  # erf form
+        h = torch.nn.functional.silu(self.b(h)) + torch.nn.functional.gelu(self.b(h), approximate="tanh")
+        r = self.c(h)
+        h = torch.relu(r) + r  # r is used twice: not fused
+        return self.d(h).relu() + self.d(h)
+
+
+def _compiled(model, x, graph_pass):
+    import torch._inductor.config as inductor_config
+    # no FX graph cache: on a hit the pass does not run, and the test counts its rewrites
+    with torch.no_grad(), inductor_config.patch({"pre_grad_custom_pass": graph_pass, "fx_graph_cache": False,
+                                                 "freezing": True}):
+        torch._dynamo.reset()
+        return torch.compile(model)(x)
+
+
+def test_activations_fuse_into_the_gemm_with_eager_numerics():
+    from torchkiln.passes.onednn_linear import FuseActivations
+    torch.manual_seed(0)
+    m, x = _Acts().eval(), torch.randn(3, 5, 16)
+    ref = m.double()(x.double())
+    m.float()
+    fast = onednn_linear(m, input_rows(m, (x,), {}))
+    p = FuseActivations()
+    out = _compiled(fast, x, p)
+    assert p.fused == 4  # gelu, silu, gelu-tanh, .relu(); not relu(r) where r has another user
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fusion_comes_with_the_pass_config():
+    from torchkiln.passes import registry
+    from torchkiln.passes.onednn_linear import FuseActivations, OneDNNLinearConfig
+    assert isinstance(registry.graph_pass([OneDNNLinearConfig()]), FuseActivations)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..timing import median_seconds
-from .registry import register
+from .registry import GraphPass, register, register_graph
 from .sample_run import run_with_linear_hooks
 
 log = logging.getLogger(__name__)
@@ -161,3 +162,65 @@ def _apply(model, config, ctx):
     model = onednn_linear(model, rows)
     n = sum(isinstance(m, OneDNNLinear) for m in model.modules()) - before
     return model, f"{n} linears" + (", packed for the sample's rows" if rows else "")
+
+
+# Activations oneDNN applies in the GEMM's epilogue (a post-op): the name _linear_pointwise takes.
+_POST_OPS = {torch.relu: "relu", F.relu: "relu", F.silu: "swish", torch._C._nn.gelu: "gelu"}
+
+
+def _post_op(node) -> tuple[str, str] | None:
+    """(post-op, algorithm) for an activation node the GEMM before it can apply, or None."""
+    if node.op == "call_method" and node.target == "relu":
+        name = "relu"
+    elif node.op == "call_function":
+        name = _POST_OPS.get(node.target)
+    else:
+        return None
+    kwargs = dict(node.kwargs)
+    if name is None or len(node.args) != 1 or kwargs.pop("inplace", False):
+        return None
+    algorithm = kwargs.pop("approximate", "none") if name == "gelu" else ""
+    return None if kwargs or algorithm not in ("none", "tanh", "") else (name, algorithm)
+
+
+def fuse_activations(graph: torch.fx.Graph) -> int:
+    """act(reshape(_linear_pointwise(x, w, b, "none", [], ""))), as OneDNNLinear traces, becomes
+    reshape(_linear_pointwise(x, w, b, act, [], algorithm)) in a dynamo graph; returns how many.
+
+    Why hand-written: inductor's freezing fuses an activation into the oneDNN linears it packs itself,
+    but not into ours. MiniLM fp32 bs16 seq61 on a 2-core Zen 5: GELU ran as its own kernel, 6 x 248 us
+    of a 56 ms call (torch.profiler; RESULTS.md, thirtieth session). Calling the op without the reshape
+    lets inductor's own pattern fuse it, but then its linear + add pattern asserts on our packed weight
+    (torch 2.13, mkldnn_fusion.get_linear_transpose_weight): hence a rewrite before inductor sees it."""
+    linears = (torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._linear_pointwise.default)
+    n = 0
+    for act in list(graph.nodes):
+        post = _post_op(act)
+        view = act.args[0] if post else None
+        if not (isinstance(view, torch.fx.Node) and view.op == "call_method" and view.target == "reshape"
+                and len(view.users) == 1):
+            continue
+        lin = view.args[0]
+        if not (isinstance(lin, torch.fx.Node) and lin.op == "call_function" and lin.target in linears
+                and len(lin.users) == 1 and len(lin.args) == 6 and lin.args[3] == "none" and not lin.kwargs):
+            continue
+        lin.args = (*lin.args[:3], post[0], [], post[1])
+        act.replace_all_uses_with(view)
+        graph.erase_node(act)
+        n += 1
+    return n
+
+
+class FuseActivations(GraphPass):
+    """The inductor pre-grad hook; ``fused`` counts rewrites over the compiles it served."""
+
+    source = __file__
+
+    def __init__(self):
+        self.fused = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.fused += fuse_activations(graph)
+
+
+register_graph(OneDNNLinearConfig)(lambda config: FuseActivations())

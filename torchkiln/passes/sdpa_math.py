@@ -248,7 +248,7 @@ def _rest(b) -> tuple:
 
 
 # The forms the router chooses between: eager (an opaque op) and traced (inline, for
-# inductor to fuse: math_attention's docstring). SDPA itself stays opaque either way.
+# inductor to fuse: math_attention's docstring). SDPA is opaque in eager, inline traced (_route).
 # The third field: whether the inline form may call softmax as the opaque ``torchkiln::softmax_lastdim``
 # (math_attention says why). Measured per form, bert-base bs1 seq128, 2-core Zen 4, one process,
 # interleaved: int8 (math-bf16) 1.058-1.070x (benchmarks/diag_opaque_softmax.py); the bf16 and fp32
@@ -328,7 +328,11 @@ class SDPARouter(TorchFunctionMode):
         if form is None:
             return None
         if form == "sdpa":
-            return torch.ops.torchkiln.sdpa
+            # Traced on the CPU, SDPA inline: inductor keeps its flash kernel there (the wall is for GPUs)
+            # and turns a bool mask into the float one the kernel takes in 15 us, where through the wall
+            # its bool copies took 365 us, and each opaque call ~100 us of Python: MiniLM fp32 bs16 seq61,
+            # 6 layers, 2-core Zen 5 (torch.profiler; RESULTS.md, thirtieth session).
+            return _aten_sdpa if torch.compiler.is_compiling() else torch.ops.torchkiln.sdpa
         inline, op, opaque = FORMS[form]
         if not torch.compiler.is_compiling():
             return getattr(torch.ops.torchkiln, op)
