@@ -98,3 +98,22 @@ def test_padding_per_batch_compiles_once_more_not_per_length(monkeypatch):
             torch.testing.assert_close(fast(**b).last_hidden_state, bert(**b).last_hidden_state, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] - before == 1  # one dynamic graph for every new length
     assert fast.kiln_report.active == "torchkiln compiled (float32)" and not fast.kiln_report.fallbacks
+
+
+def test_config_changed_through_the_returned_model(tok):
+    """``fast.config.output_hidden_states = True`` reached the original's config, and eager answered
+    with the hidden states; the served compiled graph (a copy, with a copy of the config) answered
+    without them, silently (the thirtieth session's probes)."""
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=96, pad_token_id=0)).eval()
+    batch = dict(tok([TEXT, "w9 w8"], return_tensors="pt", padding=True))
+    fast = tk.optimize(bert, sample_input=batch, time_budget=0, candidates="torchkiln")
+    assert fast.kiln_report.active.startswith("torchkiln compiled")
+    with torch.no_grad():
+        assert fast(**batch).hidden_states is None
+        fast.config.output_hidden_states = True
+        got, want = fast(**batch).hidden_states, bert(**batch).hidden_states
+    assert got is not None and len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

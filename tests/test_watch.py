@@ -253,6 +253,62 @@ def test_optimize_notices_plain_attributes_set_after_it(edit):
         torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
 
 
+class Settings:
+    """A settings object shared by modules, as a transformers config is."""
+
+    def __init__(self):
+        self.scale, self._relu = 2.0, False
+
+
+class Configured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Settings()
+        self.lin = nn.Linear(16, 16)
+        self.lin.cfg = self.cfg
+
+    def forward(self, x):
+        y = self.lin(x) * self.cfg.scale
+        return torch.relu(y) if self.lin.cfg._relu else y
+
+
+@pytest.mark.parametrize("edit", ["scale", "_relu"])
+def test_optimize_notices_a_settings_object_changed_after_it(edit):
+    """``model.config.output_hidden_states = True`` changed eager's outputs; every copy torchkiln
+    built kept its own config and answered as before, silently (the thirtieth session's probes)."""
+    torch.manual_seed(0)
+    m = Configured().eval()
+    x = torch.randn(8, 16)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        o(x)
+        assert not o._served.live_weights
+        setattr(o.cfg, edit, 0.5 if edit == "scale" else True)  # through the returned model, as users reach it
+        ref = m.lin(x) * m.cfg.scale
+        torch.testing.assert_close(o(x), ref.relu() if edit == "_relu" else ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attributes_set_on_the_returned_model_are_the_originals():
+    """``fast.temperature = 0.5`` landed on the wrapper: read back it said 0.5, while every call went on
+    with the original's 1.0 (the thirtieth session's probes)."""
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    x = torch.randn(8, 16)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        o(x)
+        o.temperature = 0.5
+        o.lin = nn.Linear(16, 16)
+        assert m.temperature == 0.5 and m.lin is o.lin
+        torch.testing.assert_close(o(x), m.lin(x) * 2.0 / 0.5, rtol=1e-4, atol=1e-5)
+    o.tag = "mine"
+    assert m.tag == "mine"
+    del o.tag
+    assert not hasattr(m, "tag")
+    o._private = 1  # the wrapper's own names stay its own
+    assert "_private" not in vars(m) and o._private == 1
+
+
 def test_optimize_notices_a_swapped_layer():
     """Replacing a submodule after optimize (a new head) brings weights no watched slot held: the
     served copy answered with the old layer (max diff 0.66 on a probe) until submodule slots were watched."""

@@ -134,6 +134,28 @@ class OriginalFace(nn.Module):
                 raise
             return self._attr(name, getattr(self.kiln_original, name))
 
+    # Attributes set on the returned model are the user's model's: ``fast.temperature = 0.5``,
+    # ``fast.classifier = nn.Linear(...)``. Set on this wrapper (nn.Module's way), reading them back
+    # worked while every call went on with the original's old value, silently (the thirtieth
+    # session's probes); on the original, the weight watch sees the change and the served form is
+    # rebuilt. The wrapper's own state (``_``/``kiln_`` names, ``training``, ``forward``, what it
+    # holds already) stays its own.
+    def __setattr__(self, name, value):
+        if self._own_name(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self.kiln_original, name, value)
+
+    def __delattr__(self, name):
+        if self._own_name(name):
+            super().__delattr__(name)
+        else:
+            delattr(self.kiln_original, name)
+
+    def _own_name(self, name: str) -> bool:
+        return (name.startswith(("_", "kiln_")) or name in ("training", "forward") or name in self.__dict__
+                or "kiln_original" not in self.__dict__ or isinstance(getattr(type(self), name, None), property))
+
     def _attr(self, name: str, attr):
         """Subclasses may wrap what is forwarded from the original (say, a method)."""
         return attr

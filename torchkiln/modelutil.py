@@ -85,6 +85,27 @@ def plain_attrs(m: nn.Module) -> list[str]:
     return [k for k, v in vars(m).items() if type(v) in PLAIN and not k.startswith("_")]
 
 
+def settings(model: nn.Module) -> list:
+    """Objects the model's modules hold for their settings: a transformers config, a dataclass of
+    hyperparameters; public attributes that are no module, tensor, plain value, container, class or
+    callable, once each. Their plain values steer forward as a module's own flags do:
+    ``model.config.output_hidden_states = True`` changed eager's outputs, and no copy torchkiln had
+    built saw it (each holds its own config; the thirtieth session's probes)."""
+    out = {}
+    for m in model.modules():
+        for k, v in vars(m).items():
+            if (not k.startswith("_") and hasattr(v, "__dict__") and not callable(v) and type(v) not in PLAIN
+                    and not isinstance(v, (nn.Module, torch.Tensor, type, list, tuple, dict, set))):
+                out.setdefault(id(v), v)
+    return list(out.values())
+
+
+def setting_attrs(obj) -> list[str]:
+    """A settings object's attributes holding plain values, ``_``-prefixed ones included (transformers
+    keeps ``output_attentions`` behind a property, in ``_output_attentions``)."""
+    return [k for k, v in vars(obj).items() if type(v) in PLAIN and not k.startswith("__")]
+
+
 def tensor_attrs(m: nn.Module) -> list[str]:
     """A module's public attributes holding tensors that are not registered parameters or buffers."""
     return [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]

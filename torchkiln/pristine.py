@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import inputs
-from .modelutil import PLAIN, plain_attrs, tensor_attrs, version
+from .modelutil import PLAIN, plain_attrs, setting_attrs, settings, tensor_attrs, version
 
 
 class Pristine:
@@ -26,6 +26,7 @@ class Pristine:
         buffers = [*model.buffers(), *(vars(m)[k] for m in model.modules() for k in tensor_attrs(m))]
         self._tensors = [(t, version(t), t.detach().clone()) for t in [*buffers, *inputs.flatten((args, kwargs))]]
         self._attrs = [(m, {k: vars(m)[k] for k in plain_attrs(m)}) for m in model.modules()]
+        self._attrs += [(o, {k: vars(o)[k] for k in setting_attrs(o)}) for o in settings(model)]
         # public attributes a run adds (``self.last_map = ...``) are taken away again
         self._public = [(m, {k for k in vars(m) if not k.startswith("_")}) for m in model.modules()]
         self._n_buffers = len(buffers)

@@ -10,7 +10,8 @@ module's ``_parameters`` or ``_buffers`` entry) is checked on each call for:
 - a new storage pointer (``p.data = t``, which keeps the version);
 - another module in a submodule slot (``model.fc = nn.Linear(...)``);
 - another value in a plain attribute (``model.temperature = 0.5``, ``model.use_relu = True``,
-  a submodule's ``training`` flag): a traced, compiled or copied form read it once, when built. Plain
+  a submodule's ``training`` flag, a value in a settings object such as a transformers config:
+  ``model.config.output_hidden_states = True``): a traced, compiled or copied form read it once, when built. Plain
   tensor attributes (``self.scale = torch.tensor(2.0)``, not a registered buffer) are watched as
   weights are.
 
@@ -32,7 +33,7 @@ import operator
 import torch
 from torch import nn
 
-from .modelutil import plain_attrs, tensor_attrs, version
+from .modelutil import plain_attrs, setting_attrs, settings, tensor_attrs, version
 
 log = logging.getLogger("torchkiln")
 _VERSION, _PTR = operator.attrgetter("_version"), torch.Tensor.data_ptr
@@ -52,10 +53,13 @@ class WeightWatch:
         # session's probes).
         mods = [(m._modules, k) for m in modules for k in m._modules]
         mods += [(vars(m), k) for m in modules for k in plain_attrs(m)]
+        # Settings objects' plain values likewise (``model.config.output_hidden_states = True``).
+        objs = settings(model)
+        mods += [(vars(o), k) for o in objs for k in setting_attrs(o)]
         self._mod_dicts, self._mod_keys = [d for d, _ in mods], [k for _, k in mods]
         # Every dict a slot lives in, for the C check's version-tag shortcut (weight_watch.cpp)
-        self._tag_dicts = list({id(d): d for m in modules for d in (m._parameters, m._buffers, m._modules, vars(m))}
-                               .values())
+        dicts = [d for m in modules for d in (m._parameters, m._buffers, m._modules, vars(m))] + [vars(o) for o in objs]
+        self._tag_dicts = list({id(d): d for d in dicts}.values())
         # remember()'s snapshot, one tuple assigned at once, so a call checking on another thread
         # never pairs one snapshot's tensors with another's versions:
         # (dicts, keys, what they held: tensors then identity-only slots, the tensors' (version, pointer)
