@@ -104,6 +104,22 @@ def test_cuda_graph_outputs_survive_later_calls_and_threads():
         torch.testing.assert_close(y, model(x), rtol=1e-3, atol=1e-3)
 
 
+def test_backward_through_a_cuda_graph_call_made_with_grad_on():
+    """Grad mode on: the replay's outputs carry a backward that recomputes with the original, so the
+    parameters get eager's gradients (reference: a deep copy run eagerly)."""
+    model, _ = zoo.load("mlp", batch=8)
+    model = model.cuda()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 256, device="cuda")
+    o = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0)
+    o._install("torchkiln compiled (float32) + CUDA graphs", o._find("torchkiln compiled (float32) + CUDA graphs").make(),
+               o._order)
+    o(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+
+
 def test_cuda_graph_outputs_in_a_dataclass_survive_later_calls():
     """A model's own output dataclass was a pytree leaf: its tensors were not copied out of the graph
     pool, so the next replay overwrote the previous answer."""

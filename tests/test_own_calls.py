@@ -72,8 +72,9 @@ def test_inputs_without_grad_stay_on_the_fast_path(served, monkeypatch):
     out = fast(x)
     with torch.no_grad():
         out2 = fast(x.clone().requires_grad_(True))
-    assert routed == [] and not out.requires_grad
-    torch.testing.assert_close(out2, out)
+    assert routed == [] and out.requires_grad  # as eager's; a backward recomputes with the original
+    assert not out2.requires_grad
+    torch.testing.assert_close(out2, out.detach())
     with pytest.warns(UserWarning, match="inputs require grad"):
         assert fast(x.clone().requires_grad_(True)).requires_grad
     assert routed == ["grad"]
@@ -259,3 +260,55 @@ def test_functional_call_runs_the_original_for_that_call_with_gradients(served):
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)  # the originals are back
     assert fast._fn is fn  # nothing was rebuilt, for the swap or the swap back
     assert any("functional_call" in f.step for f in fast.kiln_report.fallbacks)
+
+
+class TwoHeads(nn.Module):
+    """Outputs of several kinds: two float heads and the predicted ids (integer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
+        self.a, self.b = nn.Linear(32, 4), nn.Linear(32, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        logits = self.a(h)
+        return {"logits": logits, "score": self.b(h), "ids": logits.argmax(-1)}
+
+
+def test_backward_through_a_call_made_with_grad_on_gives_eagers_parameter_gradients():
+    """Called without torch.no_grad(), eager's outputs reach the parameters and loss.backward() fills
+    their .grad; the served outputs had no grad_fn and backward raised "element 0 of tensors does not
+    require grad" (the thirtieth session's probes). Reference: a deep copy, run eagerly."""
+    torch.manual_seed(0)
+    model, x = TwoHeads().eval(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        served = fast(x)
+    assert not fast._served.live_weights, fast.kiln_report.active
+    assert not served["logits"].requires_grad
+    out = fast(x)  # grad mode on, inputs need no grad: the served form answers
+    torch.testing.assert_close(out["logits"], served["logits"])
+    assert out["ids"].dtype == torch.int64 and not out["ids"].requires_grad
+    (out["logits"].square().sum() + 3 * out["score"].sum()).backward()
+    want = ref(x)
+    (want["logits"].square().sum() + 3 * want["score"].sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+    fast(x)["score"].sum().backward()  # one output only: the other's gradient is None
+    ref.zero_grad()
+    ref(x)["score"].sum().backward()
+    torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad, rtol=1e-4, atol=1e-5)
+    assert model.a.weight.grad is None or not model.a.weight.grad.any()
+
+
+def test_outputs_need_no_grad_where_eagers_would_not():
+    torch.manual_seed(0)
+    model, x = TwoHeads().eval(), torch.randn(8, 16)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        assert not fast(x)["logits"].requires_grad
+    model.requires_grad_(False)
+    assert not fast(x)["logits"].requires_grad

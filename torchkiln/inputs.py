@@ -37,42 +37,47 @@ def tree_map(fn, obj):
 
 
 def clone(obj):
-    """``tree_map(torch.clone, obj)`` for a model's outputs, without pytree's generic walk on the
-    containers models return: a CUDA-graph output is copied out of its pool on every call, and
-    pytree took 71 us per call for a transformers ModelOutput of two tensors where the clones took
-    10 (2-core Zen 3; the H200 served path lost 70-140 us per call to such costs,
-    benchmarks/RESULTS.md, fourteenth session). Other containers take pytree's path."""
+    """``tree_map(torch.clone, obj)`` for a model's outputs (``map_tensors`` says why not pytree)."""
+    return map_tensors(torch.clone, obj)
+
+
+def map_tensors(fn, obj):
+    """``tree_map(fn, obj)`` for a model's outputs, without pytree's generic walk on the containers
+    models return: a CUDA-graph output is copied out of its pool on every call, and pytree took 71 us
+    per call for a transformers ModelOutput of two tensors where the clones took 10 (2-core Zen 3;
+    the H200 served path lost 70-140 us per call to such costs, benchmarks/RESULTS.md, fourteenth
+    session). Other containers take pytree's path; a dataclass (pytree's leaf) is walked by field."""
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return fn(obj)
     kind = type(obj)
     if kind is tuple or kind is list:
-        return kind(clone(v) for v in obj)
+        return kind(map_tensors(fn, v) for v in obj)
     if kind is dict:
-        return {k: clone(v) for k, v in obj.items()}
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
     if isinstance(obj, OrderedDict) and hasattr(kind, "to_tuple"):  # a transformers ModelOutput
-        return _clone_model_output(obj)
-    if _is_dataclass(obj):  # pytree's leaf: its tensors would have stayed in the graph's pool
+        return _map_model_output(fn, obj)
+    if _is_dataclass(obj):  # pytree's leaf: its tensors would have been left as they were
         new = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(new, f.name, clone(getattr(obj, f.name)))
+            object.__setattr__(new, f.name, map_tensors(fn, getattr(obj, f.name)))
         return new
-    return tree_map(torch.clone, obj)
+    return tree_map(fn, obj)
 
 
 def _is_dataclass(obj) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _clone_model_output(obj):
+def _map_model_output(fn, obj):
     # A ModelOutput keeps each field twice, as an attribute and (when not None) as an item; its
     # constructor re-derives both (24 us on the Zen 3 above); set directly, the copy took 18 us, clones included.
     kind = type(obj)
     if not all(k in obj.__dict__ for k in obj):  # not the layout this relies on: the constructor
-        return kind(**{k: clone(v) for k, v in obj.items()})
+        return kind(**{k: map_tensors(fn, v) for k, v in obj.items()})
     new = kind.__new__(kind)
     new.__dict__.update(obj.__dict__)
     for k, v in obj.items():
-        c = clone(v)
+        c = map_tensors(fn, v)
         OrderedDict.__setitem__(new, k, c)
         object.__setattr__(new, k, c)
     return new

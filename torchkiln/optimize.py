@@ -259,13 +259,16 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def _serve(self, fn, args, kwargs, cand: Candidate | None = None):
         self._inference_only()
+        grad = torch.is_grad_enabled()
         if (cand or self._served).cuda_graphs:
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
-                return inputs.clone(fn(*args, **kwargs))
-        with torch.no_grad():
-            return fn(*args, **kwargs)
+                out = inputs.clone(fn(*args, **kwargs))
+        else:
+            with torch.no_grad():
+                out = fn(*args, **kwargs)
+        return self._with_backward(out, args, kwargs) if grad else out
 
     def _stale(self) -> bool:
         return self._watch.changed()

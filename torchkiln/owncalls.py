@@ -12,10 +12,11 @@ trace-and-freeze step failed on the returned model. ``KilnModule.forward`` sends
 from __future__ import annotations
 
 import copy
+import operator
 
 import torch
 
-from . import stock
+from . import inputs, stock
 from ._log import warn_once
 from .candidates import OnDevice
 from .modelutil import DTYPES, model_device
@@ -78,6 +79,21 @@ class OwnCalls:
         object.__setattr__(self, "_grad", choice)
         return choice
 
+    def _with_backward(self, out, args, kwargs):
+        """A served call's outputs, made with grad mode on while the original's parameters require grad:
+        given a backward that recomputes them with the original (``_EagerBackward``). No parameter needing
+        grad (``requires_grad_(False)``, as eager): as they are."""
+        if not any(map(_REQUIRES_GRAD, self.kiln_original.parameters())):
+            return out
+        floats = [t for t in inputs.flatten(out) if t.is_floating_point()]
+        if not floats:
+            return out
+        run = self._grad[0] if self._grad is not None else \
+            self._grad_run(OnDevice(self.kiln_original), _OWN_CALLS["grad"][1])[0]
+        anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the autograd graph
+        new = dict(zip(map(id, floats), _EagerBackward.apply(run, args, kwargs, anchor, *floats), strict=True))
+        return inputs.map_tensors(lambda t: new.get(id(t), t), out)
+
     def _traced_call(self, args, kwargs):
         """Under ``torch.jit.trace``, which IPEX's documented flow runs on the optimized model (trace,
         then freeze): the original's operations, its weights as constants, which is what freezing a
@@ -95,3 +111,30 @@ class OwnCalls:
         finally:
             torch._C._set_tracing_state(tracing)
         return model(*args, **kwargs)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _EagerBackward(torch.autograd.Function):
+    """The served forms run without autograd. Called with grad mode on (no ``torch.no_grad()``), eager's
+    outputs carry a graph to the parameters, and ``loss.backward()`` filled their ``.grad``; the served
+    outputs had none, and backward raised "element 0 of tensors does not require grad" (the thirtieth
+    session's probes). Here backward runs the original again on the call's inputs, with autograd, and
+    sends the incoming gradients through it: eager's parameter gradients, recomputed as activation
+    checkpointing does, paid only when backward is called (inputs changed in place before it change
+    the recomputation, as with checkpointing)."""
+
+    @staticmethod
+    def forward(ctx, run, args, kwargs, anchor, *outs):
+        ctx.run, ctx.args, ctx.kwargs = run, args, kwargs
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with torch.enable_grad():
+            again = [t for t in inputs.flatten(ctx.run(*ctx.args, **ctx.kwargs)) if t.is_floating_point()]
+        pairs = [(o, g.to(o.dtype)) for o, g in zip(again, grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, None, *(None for _ in grads))
