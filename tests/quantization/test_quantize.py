@@ -111,6 +111,31 @@ def test_model_without_quantizable_layers_is_returned_unchanged():
     m = nn.Sequential(nn.ReLU(), nn.Tanh())
     with pytest.warns(UserWarning, match="returned unchanged"):
         assert tk.quantize(m, "int8-weight-only") is m
+
+
+def test_int4_says_why_it_took_no_linear_and_what_group_size_would():
+    """int4's packing takes in_features in whole groups and out_features in tiles of 16; the warning
+    said only 'has no layer int4-weight-only quantizes (nn.Linear)' for a model full of linears."""
+    class Narrow(nn.Sequential):  # a class of its own: the warning is once per model class and scheme
+        pass
+
+    m = Narrow(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    with pytest.warns(UserWarning, match=r"2 linears \(out x in 10x128, 128x64\).*group_size=128.*group_size=64"):
+        assert tk.quantize(m, "int4-weight-only") is m
+
+
+def test_labelled_loader_batches_are_named_with_the_fix():
+    """A DataLoader over (inputs, labels) yields pairs, which bind as two positional arguments:
+    torch.export said only 'too many positional arguments'."""
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 64),
+                                                                        torch.randint(0, 4, (32,))), batch_size=8)
+    with pytest.raises(TypeError, match=r"calib_data batch 0 does not fit Sequential.forward.*\(x for x, _ in loader\)"):
+        tk.quantize(mlp(), "int8-static", calib_data=loader, progress=False)
+
+
+def test_an_exported_scheme_without_an_example_names_the_arguments():
+    with pytest.raises(ValueError, match=r"int8-dynamic.*sample_input=.*calib_data="):
+        tk.quantize(mlp(), "int8-dynamic")
 @needs.pt2e
 def test_dict_and_tuple_batches():
     class Two(nn.Module):

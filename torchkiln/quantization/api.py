@@ -25,7 +25,7 @@ from .._log import warn_once
 from ..modelutil import is_causal_lm, model_device, model_dtype
 from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
-from .config import QuantConfig, make
+from .config import GROUP_SIZES, QuantConfig, make
 from .schemes import _quiet_torchao, backend_for, fast_here, torchao, torchao_config
 
 log = logging.getLogger(__name__)
@@ -229,16 +229,36 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     config = _resolved(config, backend, bool(data))
     names = fallback.targets(model, config, backend)
     if not names:
-        warn_once(f"noquant:{type(model).__name__}", f"torchkiln: {type(model).__name__} has no layer "
-                  f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''}); returned unchanged")
+        warn_once(f"noquant:{type(model).__name__}:{config.scheme}", f"torchkiln: {type(model).__name__} has no layer "
+                  f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''})"
+                  f"{_why_none(model, config)}; returned unchanged")
         return model
     sample = inputs.normalize(sample_input) if sample_input is not None else (data[0] if data else None)
+    calibrate.check_fits(model, data)
+    if sample_input is not None:
+        calibrate.check_fits(model, [sample], "sample_input")
+    if backend == "pt2e" and sample is None:
+        raise ValueError(f"scheme {config.scheme!r} exports the model (torch.export), which needs one example "
+                         "batch: pass sample_input=... (a tensor, a tuple of arguments or a dict of keyword "
+                         "arguments) or calib_data=[...]")
     evals, on = _evals(data, eval_data, sample, config)
     prepared = _prepare(model, config, sample, dev)
     if prepared.backend == "pt2e" and config.scheme == "int8-smoothquant":
         prepared = _resmoothed(prepared, data)
     calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
     return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on)
+
+
+def _why_none(model: nn.Module, config: QuantConfig) -> str:
+    """Why int4-weight-only took none of a model's linears: their shapes, and a group size that fits."""
+    lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if config.scheme != "int4-weight-only" or not lins:
+        return ""
+    shapes = sorted({(m.out_features, m.in_features) for m in lins})
+    fits = [g for g in GROUP_SIZES if any(k % g == 0 and n % 16 == 0 for n, k in shapes)]
+    tip = f"; group_size={max(fits)} would take some" if fits and max(fits) != config.group_size else ""
+    return (f": its {len(lins)} linears (out x in {', '.join(f'{n}x{k}' for n, k in shapes[:4])}) need in_features "
+            f"a multiple of group_size={config.group_size} and out_features a multiple of 16{tip}")
 
 
 def _resolved(config: QuantConfig, backend: str, calibrated: bool) -> QuantConfig:

@@ -6,6 +6,8 @@ A batch is a tensor, a tuple/list of positional arguments, or a dict of keyword 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -33,6 +35,26 @@ def batches(data, name: str = "calib_data", limit: int | None = None) -> list[in
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name}[{i}]: {e}") from None
     return out
+
+
+def check_fits(model: nn.Module, data: list[inputs.Args], name: str = "calib_data") -> None:
+    """Each batch binds to ``model.forward``'s parameters, else a TypeError naming the batch. Checked
+    before export: torch.export raised a bare "too many positional arguments" for a DataLoader's
+    (inputs, labels) pairs, naming neither the batch nor the argument (the thirtieth session's probes)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # nothing to check against
+        return
+    for i, (a, k) in enumerate(data):
+        try:
+            sig.bind(*a, **k)
+        except TypeError as e:
+            hint = ""
+            if len(a) == 2 and not k and all(isinstance(t, torch.Tensor) for t in a) and not a[1].is_floating_point():
+                hint = (f"; a DataLoader over (inputs, labels) yields pairs, which count as two positional "
+                        f"arguments: pass {name}=(x for x, _ in loader)")
+            raise TypeError(f"{name} batch {i} does not fit {type(model).__name__}.forward{sig}: {e} "
+                            f"({len(a)} positional, keywords {sorted(k)}){hint}") from None
 
 
 def run(model: nn.Module, data: list[inputs.Args], device, what: str = "calibrating",
