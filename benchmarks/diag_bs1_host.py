@@ -68,6 +68,8 @@ def main() -> int:
             ev = p.key_averages()
             busy = sum(e.self_device_time_total for e in ev) / 20 / 1e3
             print(f"{name}: GPU busy {busy:.3f} ms per call, {sum(e.count for e in ev) / 20:.0f} kernels per call")
+            for e in sorted(ev, key=lambda e: -e.self_device_time_total)[:12]:  # where the GPU time goes
+                print(f"  {e.count / 20:5.1f}/call {e.self_device_time_total / 20:7.1f} us  {e.key[:100]}")
     pr = cProfile.Profile()
     with torch.no_grad():
         pr.enable()

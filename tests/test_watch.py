@@ -242,15 +242,21 @@ def flag(m):
 def test_optimize_notices_plain_attributes_set_after_it(edit):
     """Every traced or compiled form answered with the values read when it was built (the stock
     compile missed only the in-place write), silently: the twenty-eighth session's probes."""
+    m, x = Scaled().eval(), torch.randn(8, 16)
+    o = served_by_a_copy(m, x)
+    with torch.no_grad():
+        edit(m)
+        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+
+
+def served_by_a_copy(m, x):
+    """``m`` optimized and called once, served by a form that holds its own copy of what it read."""
     torch.manual_seed(0)
-    m = Scaled().eval()
-    x = torch.randn(8, 16)
     o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
     with torch.no_grad():
         o(x)
-        assert not o._served.live_weights
-        edit(m)
-        torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
+    assert not o._served.live_weights, o.kiln_report.active
+    return o
 
 
 class Settings:
@@ -276,13 +282,9 @@ class Configured(nn.Module):
 def test_optimize_notices_a_settings_object_changed_after_it(edit):
     """``model.config.output_hidden_states = True`` changed eager's outputs; every copy torchkiln
     built kept its own config and answered as before, silently (the thirtieth session's probes)."""
-    torch.manual_seed(0)
-    m = Configured().eval()
-    x = torch.randn(8, 16)
-    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    m, x = Configured().eval(), torch.randn(8, 16)
+    o = served_by_a_copy(m, x)
     with torch.no_grad():
-        o(x)
-        assert not o._served.live_weights
         setattr(o.cfg, edit, 0.5 if edit == "scale" else True)  # through the returned model, as users reach it
         ref = m.lin(x) * m.cfg.scale
         torch.testing.assert_close(o(x), ref.relu() if edit == "_relu" else ref, rtol=1e-4, atol=1e-5)
@@ -291,12 +293,9 @@ def test_optimize_notices_a_settings_object_changed_after_it(edit):
 def test_attributes_set_on_the_returned_model_are_the_originals():
     """``fast.temperature = 0.5`` landed on the wrapper: read back it said 0.5, while every call went on
     with the original's 1.0 (the thirtieth session's probes)."""
-    torch.manual_seed(0)
-    m = Scaled().eval()
-    x = torch.randn(8, 16)
-    o = tk.optimize(m, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    m, x = Scaled().eval(), torch.randn(8, 16)
+    o = served_by_a_copy(m, x)
     with torch.no_grad():
-        o(x)
         o.temperature = 0.5
         o.lin = nn.Linear(16, 16)
         assert m.temperature == 0.5 and m.lin is o.lin

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .registry import GraphPass, register_graph_only
+from .registry import CountingPass, register_graph_only
 
 
 @torch.library.custom_op("torchkiln::linear_gelu", mutates_args=())
@@ -92,16 +92,11 @@ def fuse(graph: torch.fx.Graph) -> int:
     return n
 
 
-class GeluEpiloguePass(GraphPass):
-    """The inductor pre-grad hook; ``fused`` counts rewrites over the compiles it served."""
+class GeluEpiloguePass(CountingPass):
+    """The inductor pre-grad hook."""
 
     source = __file__
-
-    def __init__(self):
-        self.fused = 0
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.fused += fuse(graph)
+    rewrite = staticmethod(fuse)
 
 
 @dataclass(frozen=True)

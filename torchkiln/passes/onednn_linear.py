@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..timing import median_seconds
-from .registry import GraphPass, register, register_graph
+from .registry import CountingPass, register, register_graph
 from .sample_run import run_with_linear_hooks
 
 log = logging.getLogger(__name__)
@@ -211,16 +211,11 @@ def fuse_activations(graph: torch.fx.Graph) -> int:
     return n
 
 
-class FuseActivations(GraphPass):
-    """The inductor pre-grad hook; ``fused`` counts rewrites over the compiles it served."""
+class FuseActivations(CountingPass):
+    """The inductor pre-grad hook."""
 
     source = __file__
-
-    def __init__(self):
-        self.fused = 0
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.fused += fuse_activations(graph)
+    rewrite = staticmethod(fuse_activations)
 
 
 register_graph(OneDNNLinearConfig)(lambda config: FuseActivations())

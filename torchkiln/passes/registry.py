@@ -119,6 +119,19 @@ class GraphPass(_PassBase):
         return hashlib.sha256(Path(self.source).read_bytes() + repr(self.options()).encode()).digest()
 
 
+class CountingPass(GraphPass):
+    """A graph pass that is one rewrite function, ``rewrite(graph) -> how many``; ``fused`` counts the
+    rewrites over the compiles it served. Subclasses set ``source`` and ``rewrite`` (a staticmethod)."""
+
+    rewrite: Callable[[torch.fx.Graph], int]
+
+    def __init__(self):
+        self.fused = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.fused += self.rewrite(graph)
+
+
 def graph_pass(configs) -> Callable[[torch.fx.Graph], None] | None:
     """One callable running the graph passes among ``configs`` (a Recipe's passes) in order, or None."""
     _load()
