@@ -60,7 +60,7 @@ class _Acts(nn.Module):
         h = torch.nn.functional.silu(self.b(h)) + torch.nn.functional.gelu(self.b(h), approximate="tanh")
         r = self.c(h)
         h = torch.relu(r) + r  # r is used twice: not fused
-        return self.d(h).relu() + self.d(h)
+        return self.d(h).relu() + torch.nn.functional.relu(self.d(h), inplace=True)
 
 
 def _compiled(model, x, graph_pass):
@@ -81,7 +81,7 @@ def test_activations_fuse_into_the_gemm_with_eager_numerics():
     fast = onednn_linear(m, input_rows(m, (x,), {}))
     p = FuseActivations()
     out = _compiled(fast, x, p)
-    assert p.fused == 4  # gelu, silu, gelu-tanh, .relu(); not relu(r) where r has another user
+    assert p.fused == 5  # gelu, silu, gelu-tanh, .relu(), relu in place; not relu(r) where r has another user
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 

@@ -177,7 +177,8 @@ def _post_op(node) -> tuple[str, str] | None:
     else:
         return None
     kwargs = dict(node.kwargs)
-    if name is None or len(node.args) != 1 or kwargs.pop("inplace", False):
+    kwargs.pop("inplace", None)  # in place on the GEMM's own output, whose only reader it is (fuse_activations)
+    if name is None or len(node.args) != 1:
         return None
     algorithm = kwargs.pop("approximate", "none") if name == "gelu" else ""
     return None if kwargs or algorithm not in ("none", "tanh", "") else (name, algorithm)
