@@ -20,6 +20,7 @@ from . import inputs, stock
 from ._log import warn_once
 from .candidates import OnDevice
 from .modelutil import DTYPES, model_device
+from .pristine import Pristine
 from .report import Fallback
 
 # (which calls, what answers them, why, and how to get the fast path back)
@@ -91,7 +92,7 @@ class OwnCalls:
         run = self._grad[0] if self._grad is not None else \
             self._grad_run(OnDevice(self.kiln_original), _OWN_CALLS["grad"][1])[0]
         anchor = torch.empty(0, requires_grad=True)  # makes the outputs part of the autograd graph
-        new = dict(zip(map(id, floats), _EagerBackward.apply(run, args, kwargs, anchor, *floats), strict=True))
+        new = dict(zip(map(id, floats), _EagerBackward.apply(run, self.kiln_original, args, kwargs, anchor, *floats), strict=True))
         return inputs.map_tensors(lambda t: new.get(id(t), t), out)
 
     def _traced_call(self, args, kwargs):
@@ -123,18 +124,26 @@ class _EagerBackward(torch.autograd.Function):
     session's probes). Here backward runs the original again on the call's inputs, with autograd, and
     sends the incoming gradients through it: eager's parameter gradients, recomputed as activation
     checkpointing does, paid only when backward is called (inputs changed in place before it change
-    the recomputation, as with checkpointing)."""
+    the recomputation, as with checkpointing; state the rerun changes in the model is put back)."""
 
     @staticmethod
-    def forward(ctx, run, args, kwargs, anchor, *outs):
-        ctx.run, ctx.args, ctx.kwargs = run, args, kwargs
+    def forward(ctx, run, model, args, kwargs, anchor, *outs):
+        ctx.run, ctx.model, ctx.args, ctx.kwargs = run, model, args, kwargs
+        ctx.set_materialize_grads(False)  # an output the loss did not use: None, so its layers keep .grad None
         return tuple(o.view_as(o) for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        with torch.enable_grad():
-            again = [t for t in inputs.flatten(ctx.run(*ctx.args, **ctx.kwargs)) if t.is_floating_point()]
-        pairs = [(o, g.to(o.dtype)) for o, g in zip(again, grads, strict=True) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, None, *(None for _ in grads))
+        # The rerun is not a call of the user's: state the forward keeps (a call counter, a stored map) is put
+        # back as it was, as tk.optimize's own runs are (pristine.py).
+        snap = Pristine(ctx.model, ctx.args, ctx.kwargs)
+        try:
+            with torch.enable_grad():
+                again = [t for t in inputs.flatten(ctx.run(*ctx.args, **ctx.kwargs)) if t.is_floating_point()]
+            pairs = [(o, g.to(o.dtype)) for o, g in zip(again, grads, strict=True)
+                     if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            snap.restore()
+        return (None, None, None, None, None, *(None for _ in grads))
