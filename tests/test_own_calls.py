@@ -188,7 +188,7 @@ def test_a_submodule_put_in_training_mode_runs_the_original_then_back_to_served(
         resets = []
         monkeypatch.setattr(KilnModule, "_reset", lambda self, choice: resets.append(choice))
         model[2].train()
-        with pytest.warns(UserWarning, match="submodule of the original is in training mode"):
+        with pytest.warns(UserWarning, match="a submodule of it is in training mode"):
             torch.manual_seed(5)
             a = fast(x)
         torch.manual_seed(5)
@@ -200,6 +200,88 @@ def test_a_submodule_put_in_training_mode_runs_the_original_then_back_to_served(
         torch.testing.assert_close(fast(x), fast(x))
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
     assert resets == [] and fast.kiln_report.active == served and fast._own is None
+
+
+class Head(nn.Module):
+    """A model being fine-tuned around a backbone: its .train()/.eval() reach the backbone."""
+
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone, self.head = backbone, nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def test_a_parents_train_puts_the_returned_model_in_training_mode_and_eval_brings_the_fast_form_back(monkeypatch):
+    """A parent model's .train() (Lightning and HF Trainer call it every epoch) raised on the returned
+    model, where eager trains: now its calls run the original in training mode, dropout masks and the
+    parameters' gradients as eager's (a deep copy run the same way), and .eval() serves the form built
+    before, with no rebuild."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4)).eval()
+    twin = copy.deepcopy(backbone)
+    x = torch.randn(8, 32)
+    fast = tk.optimize(backbone, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    served = fast.kiln_report.active
+    model, ref = Head(fast), Head(twin)
+    ref.head.load_state_dict(model.head.state_dict())
+    resets = []
+    monkeypatch.setattr(KilnModule, "_reset", lambda self, choice: resets.append(choice))
+    assert model.train() is model and fast.training and backbone.training and backbone[2].training
+    with pytest.warns(UserWarning, match="the original or a submodule of it is in training mode"):
+        torch.manual_seed(5)
+        out = model(x)
+    torch.manual_seed(5)
+    want = ref.train()(x)
+    torch.testing.assert_close(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    model.eval()
+    assert not fast.training and not any(m.training for m in backbone.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), twin.eval()(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast(x), fast(x))  # dropout off again
+    assert resets == [] and fast.kiln_report.active == served and fast._own is None
+
+
+def test_the_returned_model_called_first_in_training_mode_runs_the_original_then_sets_up_in_eval():
+    """No sample_input and a first call in training mode: the original answers (nothing is built for a
+    model in a mode it does not serve); the first call in eval mode sets up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
+    x = torch.randn(4, 16)
+    fast = tk.optimize(model, candidates="torchkiln", time_budget=0.2).train()
+    with pytest.warns(UserWarning, match="training mode"), torch.no_grad():
+        torch.manual_seed(1)
+        a = fast(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(a, model(x))
+    assert fast._fn is None
+    with torch.no_grad():
+        fast.eval()
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+    assert fast._fn is not None and fast.kiln_report.active != "pending first call"
+
+
+def test_calls_under_torch_func_transforms_run_the_original(served):
+    """vmap of the returned model raised ("data-dependent control flow": the guard's checks on batched
+    tensors); grad and jacrev need the model's own operations. Each now matches the same transform of
+    the original (a deep copy), and plain calls stay on the served form."""
+    model, fast, x = served
+    twin = copy.deepcopy(model)
+    active = fast.kiln_report.active
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        got = torch.vmap(fast)(x.unsqueeze(1))
+    torch.testing.assert_close(got, torch.vmap(twin)(x.unsqueeze(1)))
+    torch.testing.assert_close(torch.func.grad(lambda z: fast(z).square().sum())(x),
+                               torch.func.grad(lambda z: twin(z).square().sum())(x))
+    torch.testing.assert_close(torch.func.jacrev(fast)(x[:1]), torch.func.jacrev(twin)(x[:1]))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), twin(x), rtol=1e-4, atol=1e-5)
+    assert fast.kiln_report.active == active and not fast._served.live_weights
 
 
 def autocast_bf16(net):

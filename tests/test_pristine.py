@@ -116,16 +116,15 @@ def test_forward_hooks_keep_firing(dtype):
 
 def test_the_returned_model_shows_the_originals_container_face():
     """Indexing, len and iteration of an nn.Sequential go to the original's modules; the model is
-    in eval mode (it serves inference), before and after a refused train(); a cast to the dtype it
+    in eval mode as the original is, and train()/eval() are the original's; a cast to the dtype it
     serves is a no-op, to another one a clear error."""
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
     fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=torch.randn(2, 8), time_budget=0.2)
     assert fast[0] is model[0] and len(fast) == 3 and list(fast) == list(model) and bool(fast)
     assert not fast.training
-    with pytest.raises(RuntimeError, match="optimized for inference"):
-        fast.train()
-    assert not fast.training and not copy.deepcopy(fast).training
+    assert fast.train() is fast and fast.training and model.training and copy.deepcopy(fast).training
+    assert not fast.eval().training and not model.training and not copy.deepcopy(fast).training
     served = fast.kiln_report.dtype_served  # bfloat16 where the CPU has it natively, else float32
     same = {"bfloat16": fast.bfloat16, "float32": fast.float}[served]
     assert fast.to(getattr(torch, served)) is fast and same() is fast  # the served dtype, either way

@@ -54,7 +54,7 @@ from .modelutil import (
     swapped_parameters,
     training_module,
 )
-from .owncalls import OwnCalls
+from .owncalls import OwnCalls, under_transform
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine, per_call_state
 from .progress import ticks
@@ -139,7 +139,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_opts", state["opts"])
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", state["sample_ref"])
-        s(self, "training", False)
+        s(self, "training", state["original"].training)
         s(self, "_llm", None)
         s(self, "_state_names", state.get("state_names"))
         self._show_signature()
@@ -153,6 +153,8 @@ class KilnModule(OwnCalls, OriginalFace):
     def forward(self, *args, **kwargs):
         if torch.jit.is_tracing():
             return self._traced_call(args, kwargs)
+        if under_transform():
+            return self._own_call(args, kwargs, "transform")
         if torch.is_grad_enabled() and inputs.need_grad(args, kwargs):
             return self._own_call(args, kwargs, "grad")
         if self._own is not None:  # a submodule was put in training mode (found by _refresh)
@@ -206,7 +208,7 @@ class KilnModule(OwnCalls, OriginalFace):
             if self._fn is None or self._stale():
                 if swapped_parameters(self.kiln_original):  # for this call only: no setup, no rebuild
                     return self._own_call(args, kwargs, "functional")
-                if self._fn is not None and training_module(self.kiln_original) is not None:
+                if training_module(self.kiln_original) is not None:
                     # No rebuild: the snapshot stays the built form's, so once back in eval mode
                     # (with nothing else changed) calls are served again as they were.
                     object.__setattr__(self, "_own", "training")
@@ -669,11 +671,16 @@ class KilnModule(OwnCalls, OriginalFace):
         return result
 
     def train(self, mode: bool = True):
+        """``nn.Module.train``'s contract, on the original: a parent model's ``.train()`` reaches here (a
+        frozen optimized backbone inside a model being fine-tuned, a Lightning or HF Trainer loop), and
+        raising broke that loop where eager runs. In training mode calls run the original itself (dropout
+        and batch statistics as eager), said once; ``.eval()`` serves the fast form again. Training it
+        fast is ``tk.optimize(model, optimizer=opt)``'s job."""
+        self.kiln_original.train(mode)
+        object.__setattr__(self, "training", bool(mode))
         if mode:
-            raise RuntimeError("this model was optimized for inference; train() would not train it. For "
-                               "training, optimize the original with optimizer=: tk.optimize(model.kiln_original"
-                               ".train(), optimizer=opt, ...)")
-        return self  # eval(): inference is all it does already
+            object.__setattr__(self, "_own", "training")  # forward's first check; cleared back in eval mode
+        return self
 
     def _attr(self, name: str, attr):
         if name == "generate" and callable(attr):

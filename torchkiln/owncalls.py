@@ -28,19 +28,32 @@ _OWN_CALLS = {
     "grad": ("calls whose inputs require grad (grad mode on)", "the original model (eager, with autograd)",
              "the optimized forms run without autograd, so no gradient would flow back to the inputs; call it "
              "under torch.no_grad(), or with inputs that don't require grad, for the fast path"),
-    "training": ("calls while a submodule of the original is in training mode", "the original model (eager)",
-                 "a submodule was put in training mode after optimize (Monte Carlo dropout, BatchNorm statistics): "
-                 "the optimized form runs it in eval mode (dropout was deterministic, silently); put it back with "
-                 ".eval() for the fast path"),
+    "training": ("calls while the original or a submodule of it is in training mode", "the original model (eager)",
+                 "the model or a submodule was put in training mode after optimize (a parent model's .train(), Monte "
+                 "Carlo dropout, BatchNorm statistics): the optimized form runs in eval mode (dropout was "
+                 "deterministic, silently); .eval() brings the fast path back, and tk.optimize(model, optimizer=opt) "
+                 "trains fast"),
     "functional": ("calls with the original's parameters swapped for other tensors (torch.func.functional_call)",
                    "the original model (eager, with autograd)",
                    "the optimized form holds the weights it was built with; rebuilding it for tensors swapped in for "
                    "one call (and again when they are swapped back) would cost a build per call, and no gradient "
                    "would reach them; call the model itself for the fast path"),
+    "transform": ("calls under a torch.func transform (vmap, grad, jacrev, ...)", "the original model (eager)",
+                  "the optimized forms are built for plain tensors, and a transform's batched or tracked tensors "
+                  "need the model's own operations, which the transform maps (vmap raised on data-dependent "
+                  "control flow before); call the model outside the transform for the fast path"),
     "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
               "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
               "call them; remove them, or tk.optimize again with them in place, for the fast path"),
 }
+
+
+def under_transform() -> bool:
+    """Inside a torch.func transform (vmap, grad, jacrev, functionalize): 0.1 us."""
+    return _peek() is not None
+
+
+_peek = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 
 
 class OwnCalls:
@@ -54,7 +67,6 @@ class OwnCalls:
         if not any(f.step == step and f.to == to for f in fallbacks):
             fallbacks.append(Fallback(step, to, why))
         warn_once(f"{key}:{to}", f"torchkiln: {step} run {to}: {why}", stacklevel=None, owner=self)
-        self._inference_only()
         return run(*args, **kwargs)
 
     def _grad_run(self, original, to: str):
