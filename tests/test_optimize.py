@@ -1,5 +1,6 @@
 import copy
 import importlib
+import inspect
 import io
 import json
 import threading
@@ -412,6 +413,24 @@ def test_bad_inputs_get_clear_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda:0' is not usable.*usable devices: \['cpu'\]"):
             tk.optimize(mlp(), device="cuda")
+
+
+def test_ipex_positional_order_and_what_the_old_order_passes():
+    """ipex.optimize(model, dtype=None, optimizer=None, level='O1', inplace=False, ...) (IPEX 2.8's
+    signature): ``tk.optimize(model, torch.float32, opt)`` read ``opt`` as the level before."""
+    names = list(inspect.signature(tk.optimize).parameters)[:5]
+    assert names == ["model", "dtype", "optimizer", "level", "inplace"]
+    m = mlp().train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    fast, same = tk.optimize(m, torch.float32, opt)
+    assert same is opt and fast.kiln_recipe.level == "O1"
+    assert tk.optimize(mlp(), None, None, "o0").kiln_recipe.level == "O0"  # ipex's case; lower case too
+    with pytest.raises(TypeError, match=r"optimizer='O2': the third positional argument is the optimizer.*level='O2'"):
+        tk.optimize(mlp(), None, "O2")
+    with pytest.raises(TypeError, match=r"level=Tensor is not a level.*sample_input= .*by keyword"):
+        tk.optimize(mlp(), None, None, torch.randn(2, 32))
+    with pytest.raises(TypeError, match=r"optimizer= expects a torch.optim.Optimizer"):
+        tk.optimize(mlp(), None, torch.randn(2))
 
 
 def test_train_mode_without_optimizer_is_a_clear_error():

@@ -58,7 +58,7 @@ from .owncalls import OwnCalls, under_transform
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine, per_call_state
 from .progress import ticks
-from .recipe import Recipe
+from .recipe import LEVELS, Recipe
 from .report import Fallback, Measurement, Report
 from .timing import interleaved
 from .watch import WeightWatch
@@ -741,12 +741,26 @@ def _unoptimized(method, name: str):
     return call
 
 
-def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=None, inplace: bool = False,
-             optimizer=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
+def _check_positional(optimizer, level) -> str:
+    """ipex.optimize's positional order (``model, dtype, optimizer, level``) is this one's: an IPEX
+    call such as ``ipex.optimize(model, torch.bfloat16, opt)`` read ``opt`` as the level before. Also
+    what a call written for that old order (``optimize(model, dtype, "O2")``) now passes."""
+    if isinstance(optimizer, str) and optimizer.upper() in LEVELS:
+        raise TypeError(f"optimizer={optimizer!r}: the third positional argument is the optimizer, as in "
+                        f"ipex.optimize(model, dtype, optimizer, level, inplace); pass level={optimizer!r} by keyword")
+    if not isinstance(level, str):
+        raise TypeError(f"level={type(level).__name__} is not a level: the fourth positional argument is level "
+                        "('O0', 'O1', 'O2'), as in ipex.optimize; pass sample_input= and the others by keyword")
+    return level.upper()  # "o1" as "O1"
+
+
+def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool = False, *, sample_input=None,
+             device=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
              quantize=None, calib_data=None, eval_data=None, progress: bool | None = None, **knobs):
     """Plan and apply the fastest verified recipe for ``model`` on this machine.
 
-    Accepts every ``ipex.optimize`` keyword. Returns an ``nn.Module`` (with
+    Accepts every ``ipex.optimize`` keyword, and its first five arguments in its order
+    (``model, dtype, optimizer, level, inplace``). Returns an ``nn.Module`` (with
     ``optimizer``: the tuple ``(model, optimizer)``, as IPEX does). ``quantize``: a
     tk.quantize scheme, applied first (with ``calib_data``; ``eval_data`` for its accuracy report), then compiled and verified
     against the eager quantized model; a model tk.quantize returned is served the same way.
@@ -756,6 +770,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
     _log.configure()
     t0 = time.perf_counter()
     _validate_model(model)
+    level = _check_positional(optimizer, level)
     if isinstance(model, KilnModule) and optimizer is None:
         warn_once("already", "torchkiln: model is already optimized; returned unchanged. "
                   "To re-plan, call tk.optimize(model.kiln_original, ...)")
@@ -771,7 +786,7 @@ def optimize(model, dtype=None, level: str = "O1", sample_input=None, device=Non
         if optimizer is None and k in knobs:
             warn_once(f"{k}-inference", f"torchkiln: {k} applies to training (with optimizer=); ignored for "
                       "inference")
-    if level not in ("O0", "O1", "O2"):
+    if level not in LEVELS:
         raise ValueError(f"level={level!r} is not one of 'O0' (nothing), 'O1' (safe default), 'O2' (aggressive)")
     if verify not in VERIFY:
         raise ValueError(f"verify={verify!r} is not one of {VERIFY}: 'shapes' checks the first {VERIFIED_SHAPES} "
