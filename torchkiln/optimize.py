@@ -829,7 +829,7 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
         # With a sample_input the forward is the workload: it is planned like any model below, and
         # generate() goes to the same fast decoder (KilnModule._fast_generate).
         return llm_optimize(model, dtype=compute if dtype is not None else own, device=target,
-                            compile=knobs.get("graph_mode") is not False)
+                            compile=knobs.get("graph_mode") is not False, inplace=inplace)
     given = model  # the float model, for quantize='s speed check
     if quantize is not None:
         from .quantization import quantize as _quantize

@@ -725,6 +725,37 @@ def test_bad_input_is_named():
         tk.llm.optimize(t5)
 
 
+def storage_bytes(*modules) -> int:
+    params = [p for m in modules for p in m.parameters()]
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values())
+
+
+def test_ipex_llm_call_converts_the_model_in_place():
+    """IPEX's documented call, ``ipex.llm.optimize(model.eval(), dtype=..., inplace=True,
+    deployment_mode=True)``, raised "unexpected keyword" before. inplace=True returns the model itself
+    (the same parameter objects, no second copy of the weights), generating what transformers does."""
+    model = build("llama", seed=26)
+    twin = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="deployment_mode= accepted with no effect"):
+        fast = tk.llm.optimize(model.eval(), dtype=torch.float32, compile=False, inplace=True, deployment_mode=True)
+    assert fast is model
+    # one copy of the weights: the storages behind the model's and its fast decoder's parameters hold
+    # what the twin's alone do (the default, a copy, holds twice that with the caller's model)
+    assert storage_bytes(fast, fast._kiln_runner.decoder) == storage_bytes(twin)
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in twin.state_dict().items())
+    ids = prompt(seed=27)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), twin.generate(ids, max_new_tokens=6, **GREEDY))
+    assert fast.kiln_report.path == "fast"
+    other = build("llama", seed=28)
+    with pytest.raises(ValueError, match="quantization_config= .*quant='int8'"):
+        tk.llm.optimize(other, quantization_config=object())
+    with pytest.raises(ValueError, match="optimizer= .*tk.optimize\\(model.train\\(\\), optimizer=opt"):
+        tk.llm.optimize(other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['quantisation'\].*deployment_mode"):
+        tk.llm.optimize(other, quantisation="int8")
+    assert other.model.layers[0].self_attn.q_proj.weight._base is None  # refused calls touched nothing
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_prompt_lookup_speculation_is_exact_under_greedy(compiled):
     model = build("llama", seed=25)
