@@ -725,6 +725,45 @@ def test_bad_input_is_named():
         tk.llm.optimize(t5)
 
 
+def test_the_copy_is_made_in_the_served_dtype_with_ties_kept():
+    """The copy is made straight in the served dtype (no float32 copy first: a float32 llama-1b served in bf16
+    peaked at 12.0 GB, now 8.8); GPT-2's tied head stays tied, and the caller's model is untouched."""
+    import transformers as T
+
+    torch.manual_seed(29)
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)
+    assert fast.lm_head.weight is fast.transformer.wte.weight and model.lm_head.weight is model.transformer.wte.weight
+    assert {p.dtype for p in fast.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    mine = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not mine & {p.untyped_storage().data_ptr() for p in fast.parameters()}
+    torch.testing.assert_close(fast.state_dict()["transformer.h.0.mlp.c_fc.weight"],
+                               before["transformer.h.0.mlp.c_fc.weight"].bfloat16(), rtol=0, atol=0)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchkiln.llm.api import _copy_as
+
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    class Float32Bytes(TorchDispatchMode):  # float32 memory allocated (views of the model's weights are not)
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and \
+                        t.untyped_storage().data_ptr() not in held:
+                    Float32Bytes.made += t.numel() * 4
+            return out
+
+    with Float32Bytes():
+        _copy_as(model, torch.device("cpu"), torch.bfloat16)
+    assert Float32Bytes.made < 0.05 * sum(p.numel() * 4 for p in model.parameters())  # deepcopy first: 100%
+
+
 def storage_bytes(*modules) -> int:
     params = [p for m in modules for p in m.parameters()]
     return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}.values())
