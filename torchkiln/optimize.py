@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from . import _log, inputs
+from . import _log, hostmem, inputs
 from ._log import warn_once
 from .candidates import Candidate, applied_for, candidates, keeping_state
 from .face import OriginalFace
@@ -365,6 +365,10 @@ class KilnModule(OwnCalls, OriginalFace):
         for tier in sorted({c.tier for c in self._cands}):
             for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
                 m = measures.setdefault(cand.name, Measurement(cand.name, cand.kind, cand.dtype))
+                short = self._no_room(cand)
+                if short:
+                    m.status, m.reason = "skipped", short
+                    continue
                 fn, out, why = self._try(cand, args, kwargs, measures)
                 tick = getattr(self, "_tick", None)  # set by optimize(progress=True) around its sample call
                 if tick:
@@ -423,6 +427,20 @@ class KilnModule(OwnCalls, OriginalFace):
             report.first_call_seconds = round(time.perf_counter() - t0, 3)
         self._mark_verified(args, kwargs)
         return self._for_real(fn, args, kwargs)
+
+    def _no_room(self, cand: Candidate) -> str | None:
+        """Why ``cand`` is not built beside the others: the host would run out of memory (hostmem.py).
+        On CUDA, torch raises OutOfMemoryError instead, and _try skips the candidate."""
+        if cand.live_weights or torch.device(self.kiln_recipe.device).type != "cpu":
+            return None
+        need = hostmem.build_bytes(self.kiln_original, DTYPES.get(cand.dtype, torch.float32), cand.kind != "eager")
+        free = hostmem.available_bytes()
+        if hostmem.fits(need, free):
+            return None
+        warn_once("hostmem", f"torchkiln: not enough host memory to build every candidate side by side "
+                  f"({cand.name} needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available); the ones "
+                  "that don't fit are skipped. See tk.report(model).", owner=self)
+        return f"not built: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB of host memory available"
 
     def _rebuild(self, args, kwargs, ref, measures):
         """After a weight change or a copy: rebuild the candidate that was chosen, keep

@@ -22,7 +22,7 @@ class Measurement:
     name: str
     kind: str  # torchkiln | stock | eager | original
     dtype: str
-    status: str = "not run"  # served | passed | failed | not run
+    status: str = "not run"  # served | passed | failed | skipped (no host memory to build it) | not run
     median_ms: float | None = None
     calls_timed: int = 0
     reason: str = ""

@@ -1,0 +1,83 @@
+"""Host memory checks (torchkiln/hostmem.py): what is available, read from fake /proc and cgroup files,
+and optimize() skipping the candidates that would not fit rather than meeting the OOM killer."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import torchkiln as tk
+from torchkiln import _log, hostmem
+
+
+def fake(tmp_path, meminfo_kb=None, v2=None, v1=None):
+    (tmp_path / "cg" / "memory").mkdir(parents=True)
+    if meminfo_kb is not None:
+        (tmp_path / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb} kB\n")
+    if v2 is not None:
+        (tmp_path / "cg" / "memory.max").write_text(f"{v2[0]}\n")
+        (tmp_path / "cg" / "memory.current").write_text(f"{v2[1]}\n")
+    if v1 is not None:
+        (tmp_path / "cg" / "memory" / "memory.limit_in_bytes").write_text(f"{v1[0]}\n")
+        (tmp_path / "cg" / "memory" / "memory.usage_in_bytes").write_text(f"{v1[1]}\n")
+    return hostmem.available_bytes(str(tmp_path / "meminfo"), str(tmp_path / "cg"))
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("v2,v1,want", [
+    (None, None, 8 * GiB),                       # no cgroup files: the kernel's MemAvailable
+    (("max", GiB), None, 8 * GiB),               # v2 without a limit
+    ((4 * GiB, GiB), None, 3 * GiB),             # a container's limit below what the host has free
+    ((20 * GiB, GiB), None, 8 * GiB),            # a limit above it
+    (None, (1 << 62, GiB), 8 * GiB),             # v1's "no limit" is a huge number
+    (None, (2 * GiB, GiB // 2), GiB + GiB // 2),  # v1 with a limit
+    ((GiB, 2 * GiB), None, 0),                   # over the limit already: nothing, not negative
+], ids=["meminfo", "v2-max", "v2-limit", "v2-above", "v1-none", "v1-limit", "v2-over"])
+def test_available_memory_is_the_least_of_the_host_and_the_cgroup(tmp_path, v2, v1, want):
+    assert fake(tmp_path, 8 * GiB // 1024, v2, v1) == want
+
+
+def test_unknown_memory_never_skips(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)  # no /proc/meminfo and no psutil: unknown
+    assert fake(tmp_path) is None and hostmem.fits(1 << 50, None) and not hostmem.fits(10, 10)
+
+
+def test_build_estimate_counts_weights_in_the_candidates_dtype():
+    m = nn.Sequential(nn.Linear(10, 10), nn.Embedding(4, 5))  # 110 + 20 floating values
+    m.register_buffer("ids", torch.zeros(3, dtype=torch.int64))
+    assert hostmem.build_bytes(m, torch.bfloat16, compiled=False) == 130 * 2 + 3 * 8
+    assert hostmem.build_bytes(m, torch.float32, compiled=True) == (130 * 4 + 3 * 8) * 2
+
+
+def test_candidates_that_would_not_fit_are_skipped_and_the_model_as_given_serves(monkeypatch):
+    """With no room for a copy, every candidate that makes one is skipped (said once, reasons in the
+    report) and a candidate that runs the original's own tensors serves, with eager's numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(4, 32)
+    free = sum(p.numel() for p in model.parameters()) * 2  # less than one bf16 copy, twice
+    monkeypatch.setattr(hostmem, "available_bytes", lambda *a, **k: free)
+    _log._warned.clear()
+    with pytest.warns(UserWarning, match="not enough host memory to build every candidate"):
+        fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=x)
+    by = {m.name: m for m in fast.kiln_report.candidates}
+    skipped = [m for m in by.values() if m.status == "skipped"]
+    assert skipped and all("GiB of host memory available" in m.reason for m in skipped)
+    assert any(m.kind == "torchkiln" for m in skipped) and any(m.kind == "stock" for m in skipped)
+    served = by[fast.kiln_report.active]
+    assert fast._served.live_weights, served
+    with torch.no_grad():
+        want = model(x)
+        got = fast(x)
+    tol = 1e-5 if fast.kiln_report.dtype_served == "float32" else 5e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_with_room_nothing_is_skipped(monkeypatch):
+    monkeypatch.setattr(hostmem, "available_bytes", lambda *a, **k: 1 << 40)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).eval()
+    fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=torch.randn(4, 32))
+    assert not [m for m in fast.kiln_report.candidates if m.status == "skipped"]
