@@ -120,6 +120,30 @@ def test_backward_through_a_cuda_graph_call_made_with_grad_on():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
 
 
+def test_a_cuda_graph_served_model_in_training_mode_and_under_vmap_runs_the_original():
+    """train() (a parent's) and torch.func transforms reach the original before any replay: dropout
+    draws as eager's, vmap gives eager's result; .eval() serves the graphs again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, 4)).cuda().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 64, device="cuda")
+    o = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0)
+    name = "torchkiln compiled (float32) + CUDA graphs"
+    o._install(name, o._find(name).make(), o._order)
+    with torch.no_grad():
+        o(x)
+        o.train()
+        torch.manual_seed(3)
+        a = o(x)
+        torch.manual_seed(3)
+        torch.testing.assert_close(a, ref.train()(x))
+        o.eval()
+        ref.eval()
+        torch.testing.assert_close(torch.vmap(o)(x[:, None]), torch.vmap(ref)(x[:, None]))
+        torch.testing.assert_close(o(x), ref(x), rtol=1e-3, atol=1e-3)
+    assert o.kiln_report.active == name and o._own is None
+
+
 def test_cuda_graph_outputs_in_a_dataclass_survive_later_calls():
     """A model's own output dataclass was a pytree leaf: its tensors were not copied out of the graph
     pool, so the next replay overwrote the previous answer."""

@@ -10,7 +10,11 @@ reason in the report; CUDA candidates already step aside on torch's OutOfMemoryE
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
+import sys
 
 import torch
 from torch import nn
@@ -68,3 +72,23 @@ def build_bytes(model: nn.Module, dtype: torch.dtype, compiled: bool) -> int:
 
 def fits(need: int, free: int | None) -> bool:
     return free is None or need <= MARGIN * free
+
+
+def give_back() -> None:
+    """Hand the heap the losing candidates freed back to the OS (glibc's malloc_trim). glibc keeps freed
+    chunks below its mmap threshold (which rises to 32 MB after a large free) in the process: after
+    optimize() on bert-base in bf16 the process stayed at 1.83 GB, 0.53 GB above what it held live
+    (1.30 GB after the trim; stock torch.compile alone: 1.24). A container's memory limit counts it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim  # absent on musl
+    except (OSError, AttributeError):
+        return None

@@ -217,7 +217,13 @@ class KilnModule(OwnCalls, OriginalFace):
                     self._reset(choice=self.kiln_report.active)
                     log.info("torchkiln: the original's weights changed; rebuilding %s", self._choice)
                 with self._pristine(args, kwargs):
-                    return self._setup(args, kwargs)
+                    out = self._setup(args, kwargs)
+                # What the selection's snapshot, failed builds and their reference cycles held goes
+                # now, and the heap it leaves back to the OS (hostmem.py): bert-base bf16 on the CPU
+                # stayed 0.53 GB above its live memory after optimize(), and 0.17 GB with the trim alone.
+                gc.collect()
+                hostmem.give_back()
+                return out
         return _RACED
 
     def _refreshed(self, args, kwargs):
