@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from torchkiln.candidates import KilnCall
@@ -36,3 +37,31 @@ def test_the_same_unchanged_mask_is_read_once_and_a_changed_one_again(monkeypatc
     other = torch.zeros(1, 8)
     assert c._drop_mask({"attention_mask": other})["attention_mask"] is other
     assert len(reads) == 3
+
+
+class Tagger(torch.nn.Module):
+    """Token ids in, scores out: no floating input to take the output dtype from."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(torch.nn.functional.gelu(self.emb(ids)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_candidate_answers_token_ids_in_the_models_own_dtype(dtype):
+    """With no floating input, the casting candidates answered in float32 (their output cast assumed a
+    float32 model): an fp16 BERT served in fp16 returned float32 where eager returns float16."""
+    import torchkiln as tk
+
+    torch.manual_seed(0)
+    model = Tagger().to(dtype).eval()
+    ids = torch.randint(0, 50, (3, 7))
+    fast = tk.optimize(model, sample_input=ids, time_budget=0.1)
+    with torch.no_grad():
+        want = model(ids).dtype
+        got = {c.name: c.make()(ids).dtype for c in fast._cands}
+        assert fast(ids).dtype == want
+    assert want == dtype and set(got.values()) == {want}, got

@@ -79,8 +79,9 @@ class KilnBuild:
 
     def runner(self) -> Runner:
         if self._runner is None:
+            own = model_dtype(self.original)  # before the passes: with inplace=True they cast it
             fast = build_fast(self.original, self.recipe, self.sample, self.inplace, self.applied, self.fallbacks)
-            self._runner = Runner(fast, self.recipe)
+            self._runner = Runner(fast, self.recipe, own)
         return self._runner
 
     def call(self, fn: Callable, cuda_graphs: bool) -> KilnCall:

@@ -27,9 +27,13 @@ class Runner(nn.Module):
     """The fast model plus the per-call input/output conversions, compiled as one
     graph so the casts and layout changes fuse with the first and last kernels."""
 
-    def __init__(self, fast: nn.Module, recipe: Recipe):
+    def __init__(self, fast: nn.Module, recipe: Recipe, own_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.fast = fast
+        # what the model as given outputs when no floating input says otherwise (token ids in): its
+        # own precision. float32 was assumed, so an fp16 BERT served in fp16 answered in float32,
+        # where eager answers in float16 (the thirty-first session's probes).
+        self.own_dtype = own_dtype
         compute = DTYPES[recipe.dtype]
         self.compute = compute
         self.cast = recipe.dtype_mode == "cast" and compute != torch.float32
@@ -78,7 +82,7 @@ class Runner(nn.Module):
         # no next(iterator, default): dynamo traces this forward, and torch 2.6's dynamo cannot take a
         # default there ("invalid handler args ... call_next"), so every compiled candidate failed on 2.6
         floats = [t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()]
-        out_dtype = floats[0] if floats else torch.float32
+        out_dtype = floats[0] if floats else self.own_dtype
         args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
         if self.router is not None:
             with self.router:

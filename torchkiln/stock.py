@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from . import inputs
+from .modelutil import model_dtype
 from .passes.compile import Fresh, compile_model
 
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -104,6 +105,7 @@ def build(recipe: StockRecipe, model: nn.Module, device: torch.device, cudnn_ben
     works on a copy (``cast``'s, shared with other recipes, when given); compilation
     wraps it without touching its tensors."""
     dtype = getattr(torch, recipe.dtype)
+    own = model_dtype(model)  # what the model as given answers in, with no floating input to follow
     if recipe.how == "cast":
         model = cast(dtype) if cast is not None else copy.deepcopy(model).to(dtype)
     fn: Callable = model
@@ -112,18 +114,19 @@ def build(recipe: StockRecipe, model: nn.Module, device: torch.device, cudnn_ben
             fn = compile_model(model, {"freezing": True})
         else:
             fn = torch.compile(Fresh(model), mode=recipe.mode)
-    return _Call(fn, recipe, device, dtype, cudnn_benchmark)
+    return _Call(fn, recipe, device, dtype, cudnn_benchmark, own)
 
 
 class _Call:
     """Input cast / autocast / output cast-back around a stock callable."""
 
-    def __init__(self, fn, recipe: StockRecipe, device: torch.device, dtype: torch.dtype, cudnn_benchmark: bool):
-        self.fn, self.recipe, self.device, self.dtype = fn, recipe, device, dtype
+    def __init__(self, fn, recipe: StockRecipe, device: torch.device, dtype: torch.dtype, cudnn_benchmark: bool,
+                 own_dtype: torch.dtype = torch.float32):
+        self.fn, self.recipe, self.device, self.dtype, self.own_dtype = fn, recipe, device, dtype, own_dtype
         self.cudnn_benchmark = cudnn_benchmark and device.type == "cuda"
 
     def __call__(self, *args, **kwargs):
-        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), self.own_dtype)
         if self.recipe.how == "cast":
             args, kwargs = inputs.to((args, kwargs), dtype=self.dtype)
         with self._context():
