@@ -34,7 +34,7 @@ from torch import nn
 
 from . import _log, hostmem, inputs
 from ._log import warn_once
-from .candidates import Candidate, applied_for, candidates, keeping_state
+from .candidates import Candidate, applied_for, candidates, keeping_state, upcast_wins
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
@@ -83,14 +83,16 @@ class KilnModule(OwnCalls, OriginalFace):
     ``kiln_report`` says what serves the calls and why."""
 
     def __init__(self, original: nn.Module, recipe: Recipe, report: Report, sample: inputs.Args | None,
-                 inplace: bool, verify: str, scope: str, time_budget: float, reference=None):
+                 inplace: bool, verify: str, scope: str, time_budget: float, reference=None,
+                 upcast: Recipe | None = None):
         super().__init__()
         s = object.__setattr__
         s(self, "kiln_original", original)
         s(self, "kiln_recipe", recipe)
         s(self, "kiln_report", report)
         s(self, "_sample", sample)
-        s(self, "_opts", {"inplace": inplace, "verify": verify, "scope": scope, "time_budget": time_budget})
+        s(self, "_opts", {"inplace": inplace, "verify": verify, "scope": scope, "time_budget": time_budget,
+                          "upcast": upcast})
         s(self, "_lock", threading.RLock())
         s(self, "_sample_ref", reference)  # inplace=True: the untouched model's output on the sample
         s(self, "training", False)  # it serves inference (nn.Module.__init__ said True)
@@ -104,7 +106,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s = object.__setattr__
         o = self._opts
         cands = candidates(self.kiln_original, self.kiln_recipe, self._sample, o["inplace"], o["scope"],
-                           self.kiln_report.fallbacks)
+                           self.kiln_report.fallbacks, o.get("upcast"))
         if self._state_names:
             cands = keeping_state(cands, self._state_names, self.kiln_original, self.kiln_report.fallbacks)
         s(self, "_cands", cands)
@@ -593,6 +595,10 @@ class KilnModule(OwnCalls, OriginalFace):
         elif served.tier > 0:
             warn_once("served", f"torchkiln: no {self.kiln_recipe.dtype} candidate passed the numeric "
                       f"guard; serving {served.name!r}. See tk.report(model).", owner=self)
+        elif served.dtype != self.kiln_recipe.dtype:  # the float32 copy of a half model (candidates.upcast_wins)
+            warn_once("upcast", f"torchkiln: the model's {self.kiln_recipe.dtype} weights run as a float32 copy "
+                      f"({served.name}), faster here than {self.kiln_recipe.dtype}, which this CPU only emulates: "
+                      "twice the weights' memory; outputs stay in the model's dtype. See tk.report(model).", owner=self)
 
     def _serve_original(self, args, kwargs, ref, reason: str):
         cand = next((c for c in self._cands if c.kind == "original"), None)
@@ -842,7 +848,8 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
         # Planned as float32, every compiled candidate failed float32's 1e-4 and eager served.
         if dtype is not None:
             warn_once(f"own-dtype:{own}", f"torchkiln: the model's parameters are {dtype_name(own)}; dtype=float32 "
-                      f"does not upcast them: served in {dtype_name(own)} (call model.float() first for float32)")
+                      f"does not upcast them: planned and answered in {dtype_name(own)} (call model.float() first for "
+                      "a float32 model)")
         compute = own
     hw = detect()
     target = resolve_device(device if device is not None else model_device(model), hw)
@@ -871,6 +878,7 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
         snap = Pristine(model, *sample)  # the sample runs are optimize's, not the caller's: no trace left
         _check_sample(model, sample)
     quant = getattr(model, "kiln_quant", None)
+    upcast = None
     if quant is not None:
         from .quantization.plan import has_conv as quant_has_conv
         from .quantization.plan import linear_shapes
@@ -886,10 +894,12 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
             warn_once(f"quant-knobs:{unused}", f"torchkiln: {', '.join(unused)} ignored for a quantized model: its "
                       f"graph has no modules to transform; {', '.join(SERVING_KNOBS)} apply")
     else:
-        recipe = plan(model, hw, str(target), compute, level, knobs,
-                      batch=inputs.batch_size(sample) if sample else None, rows=inputs.rows(sample) if sample else None)
+        shape = {"batch": inputs.batch_size(sample) if sample else None, "rows": inputs.rows(sample) if sample else None}
+        recipe = plan(model, hw, str(target), compute, level, knobs, **shape)
         if recipe.dtype != dtype_name(compute):
             warn_once(f"dtype:{compute}:{target}", "torchkiln: " + recipe.notes[0])
+        if upcast_wins(model, recipe, inplace):
+            upcast = plan(model, hw, str(target), torch.float32, level, knobs, **shape)
     report = Report(recipe=recipe.to_dict(), quantization=quant.report.to_dict() if quant is not None else None)
     sample_ref = None
     if inplace and sample is not None and verify != "off":
@@ -897,7 +907,8 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
         args, kwargs = inputs.to(sample, model_device(model))
         with torch.no_grad():
             sample_ref = model(*args, **kwargs)
-    kiln = KilnModule(model, recipe, report, sample, inplace, verify, candidates, float(time_budget), sample_ref)
+    kiln = KilnModule(model, recipe, report, sample, inplace, verify, candidates, float(time_budget), sample_ref,
+                      upcast)
     if sample is not None:
         steps = sum(1 for c in kiln._cands if c.kind != "original")
         with ticks(bool(progress), "building candidates", steps) as tick:

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import inputs
 from ._log import warn_once
-from .modelutil import DTYPES
+from .modelutil import DTYPES, model_dtype
 from .passes import registry
 from .passes.registry import PassContext, Skip
 from .passes.sdpa_math import SDPARouter
@@ -38,6 +38,9 @@ class Runner(nn.Module):
         self.compute = compute
         self.cast = recipe.dtype_mode == "cast" and compute != torch.float32
         self.autocast = recipe.dtype_mode == "autocast" and compute != torch.float32
+        # a float32 recipe over a half-precision model runs a float32 copy (build_fast): inputs go up
+        # to it, outputs back down to the model's own precision
+        self.upcast = compute == torch.float32 and own_dtype != torch.float32
         self.device = torch.device(recipe.device)
         self.channels_last = recipe.memory_format == "channels_last"
         self.router = SDPARouter(mode=recipe.attention) if recipe.attention != "sdpa" else None
@@ -47,7 +50,7 @@ class Runner(nn.Module):
         if t.device != self.device:
             t = t.to(self.device)
         if t.is_floating_point():
-            if self.cast:
+            if self.cast or self.upcast:
                 t = t.to(self.compute)
             if self.channels_last and t.dim() in (4, 5):
                 t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
@@ -89,7 +92,7 @@ class Runner(nn.Module):
                 out = self._call(args, kwargs)
         else:
             out = self._call(args, kwargs)
-        if self.cast or self.autocast:
+        if self.cast or self.autocast or self.upcast:
             out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
         return out
 
@@ -102,8 +105,14 @@ def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, 
     not apply is recorded in ``fallbacks`` and skipped: it must not cost the others."""
     device = torch.device(recipe.device)
     compute = DTYPES[recipe.dtype]
+    # A float32 recipe over a half-precision model computes from a float32 copy: on a CPU without
+    # native float16, an fp16 bert-base ran 417 ms a call as given, 134 ms as a float32 copy under
+    # torch.compile (2-core Zen 5, the thirty-first session; benchmarks/RESULTS.md).
+    up = torch.float32 if compute == torch.float32 and model_dtype(original) != torch.float32 and not inplace else None
 
     def move(t):
+        if up is not None and t.is_floating_point():
+            return t.to(device, up)
         return t if t.device == device else t.to(device)
 
     if inplace:

@@ -90,7 +90,7 @@ def test_a_model_already_in_bf16_is_planned_in_bf16_everywhere(hw, device, level
     assert recipe.dtype == "bfloat16"
     assert not any("kept float32" in n for n in recipe.notes)
     if plan(mlp(), hw, device, BF16, level, {}, None).dtype == "float32":  # a float32 model would step down
-        assert "weights are bfloat16: served at that precision" in recipe.notes[0]
+        assert "weights are bfloat16: planned at that precision" in recipe.notes[0]
 
 
 @ALL

@@ -43,8 +43,9 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
         # the weights already are that dtype (a checkpoint loaded in bf16): computing them in float32
         # would be an upcast optimize() never makes (see its own-dtype rule), and the candidates, left in
         # bf16, were then held to float32's tolerance, so none passed (a bf16 model on a Zen 3)
-        why = (f"the model's weights are {_name(dtype)}: served at that precision, though this {device} has no "
-               f"native {_name(dtype)} and emulates it (model.float() first for float32)")
+        why = (f"the model's weights are {_name(dtype)}: planned at that precision, though this {device} has no "
+               f"native {_name(dtype)} and emulates it; on a CPU a float32 copy competes too (answering in "
+               f"{_name(dtype)}, at twice the weights' memory)")
     else:
         dtype = chosen
     if why:
