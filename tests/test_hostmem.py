@@ -106,8 +106,16 @@ def test_give_back_returns_freed_heap_to_the_os():
 def test_optimize_gives_back_after_choosing(monkeypatch):
     calls = []
     monkeypatch.setattr(hostmem, "give_back", lambda: calls.append(1))
+    monkeypatch.setattr(hostmem, "LARGE", 0)  # an 8x8 model counts as large here
     model = nn.Sequential(nn.Linear(8, 8)).eval()
     fast = tk.optimize(model, sample_input=torch.randn(2, 8), time_budget=0.1)
     assert calls == [1]
     fast(torch.randn(2, 8))
     assert calls == [1]  # once per selection, not per call
+
+
+def test_small_models_skip_the_collection(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem, "give_back", lambda: calls.append(1))
+    tk.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), sample_input=torch.randn(2, 8), time_budget=0.1)
+    assert calls == [] and not hostmem.worth_returning(nn.Linear(8, 8))

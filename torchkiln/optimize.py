@@ -223,8 +223,9 @@ class KilnModule(OwnCalls, OriginalFace):
                 # What the selection's snapshot, failed builds and their reference cycles held goes
                 # now, and the heap it leaves back to the OS (hostmem.py): bert-base bf16 on the CPU
                 # stayed 0.53 GB above its live memory after optimize(), and 0.17 GB with the trim alone.
-                gc.collect()
-                hostmem.give_back()
+                if hostmem.worth_returning(self.kiln_original):
+                    gc.collect()
+                    hostmem.give_back()
                 return out
         return _RACED
 
