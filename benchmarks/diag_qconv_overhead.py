@@ -59,6 +59,7 @@ def verbose_run() -> None:
         print("MARK", shape, flush=True)
         for _ in range(20):
             m(x)
+        print("END", flush=True)
 
 
 def kernels_us() -> dict:
@@ -68,6 +69,8 @@ def kernels_us() -> dict:
     for line in text.splitlines():
         if line.startswith("MARK"):
             shape = line.split(" ", 1)[1]
+        elif line.startswith("END"):
+            shape = None
         elif shape and ",exec," in line and ",convolution," in line:
             execs.setdefault(shape, []).append(float(line.rsplit(",", 1)[1]) * 1e3)
     return {s: statistics.median(execs[str(s)]) if str(s) in execs else float("nan") for s in SHAPES}
