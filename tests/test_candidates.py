@@ -113,3 +113,18 @@ def test_the_float32_copy_of_a_half_model_answers_in_its_dtype_closer_to_float32
             assert (out.float() - truth).abs().max() <= half_err
         assert fast(x).dtype == torch.float16
     assert all(p.dtype == torch.float16 and torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_the_float32_copy_is_made_only_of_a_plain_half_model_not_in_place():
+    from torchkiln.recipe import Recipe
+    from torchkiln.runner import upcasts
+
+    fp32 = Recipe(device="cpu", dtype="float32")
+    half = torch.nn.Linear(4, 4).half()
+    assert upcasts(half, fp32, inplace=False)
+    assert not upcasts(half, fp32, inplace=True)  # the caller's own model: never cast up behind them
+    assert not upcasts(torch.nn.Linear(4, 4), fp32, inplace=False)  # float32 already
+    assert not upcasts(half, Recipe(device="cpu", dtype="float16", dtype_mode="cast"), inplace=False)
+    quantized = torch.nn.Linear(4, 4).half()
+    quantized.kiln_quant = object()  # tk.quantize's mark: its weights would be dequantized by a cast
+    assert not upcasts(quantized, fp32, inplace=False)

@@ -34,7 +34,7 @@ from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
 from .recipe import Recipe
 from .report import Fallback
-from .runner import Runner, build_fast
+from .runner import Runner, build_fast, upcasts
 
 
 @dataclass
@@ -80,8 +80,9 @@ class KilnBuild:
     def runner(self) -> Runner:
         if self._runner is None:
             own = model_dtype(self.original)  # before the passes: with inplace=True they cast it
-            fast = build_fast(self.original, self.recipe, self.sample, self.inplace, self.applied, self.fallbacks)
-            self._runner = Runner(fast, self.recipe, own)
+            up = upcasts(self.original, self.recipe, self.inplace)
+            fast = build_fast(self.original, self.recipe, self.sample, self.inplace, self.applied, self.fallbacks, up)
+            self._runner = Runner(fast, self.recipe, own, up)
         return self._runner
 
     def call(self, fn: Callable, cuda_graphs: bool) -> KilnCall:

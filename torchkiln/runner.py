@@ -27,7 +27,7 @@ class Runner(nn.Module):
     """The fast model plus the per-call input/output conversions, compiled as one
     graph so the casts and layout changes fuse with the first and last kernels."""
 
-    def __init__(self, fast: nn.Module, recipe: Recipe, own_dtype: torch.dtype = torch.float32):
+    def __init__(self, fast: nn.Module, recipe: Recipe, own_dtype: torch.dtype = torch.float32, upcast: bool = False):
         super().__init__()
         self.fast = fast
         # what the model as given outputs when no floating input says otherwise (token ids in): its
@@ -38,9 +38,9 @@ class Runner(nn.Module):
         self.compute = compute
         self.cast = recipe.dtype_mode == "cast" and compute != torch.float32
         self.autocast = recipe.dtype_mode == "autocast" and compute != torch.float32
-        # a float32 recipe over a half-precision model runs a float32 copy (build_fast): inputs go up
-        # to it, outputs back down to the model's own precision
-        self.upcast = compute == torch.float32 and own_dtype != torch.float32
+        # a float32 copy of a half-precision model (build_fast's upcast): inputs go up to it, outputs
+        # back down to the model's own precision
+        self.upcast = upcast
         self.device = torch.device(recipe.device)
         self.channels_last = recipe.memory_format == "channels_last"
         self.router = SDPARouter(mode=recipe.attention) if recipe.attention != "sdpa" else None
@@ -97,22 +97,27 @@ class Runner(nn.Module):
         return out
 
 
+def upcasts(original: nn.Module, recipe: Recipe, inplace: bool) -> bool:
+    """A float32 recipe over a half-precision model computes from a float32 copy: on a CPU without
+    native float16, an fp16 bert-base ran 417 ms a call as given, 134 ms as a float32 copy under
+    torch.compile (2-core Zen 5, the thirty-first session; benchmarks/RESULTS.md). Not for a quantized
+    model (its weights are tensor subclasses: a cast would dequantize them) nor in place."""
+    return (DTYPES[recipe.dtype] == torch.float32 and model_dtype(original) != torch.float32 and not inplace
+            and getattr(original, "kiln_quant", None) is None
+            and all(type(t) in (torch.Tensor, nn.Parameter) for t in (*original.parameters(), *original.buffers())))
+
+
 def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, inplace: bool,
-               applied: list[str], fallbacks: list[Fallback]) -> nn.Module:
+               applied: list[str], fallbacks: list[Fallback], upcast: bool = False) -> nn.Module:
     """Apply the recipe's passes, looked up in the registry, to a copy of ``original``
     that shares untouched tensors with it (``inplace=True``: to ``original`` itself).
     Each pass that ran appends "name (note)" to ``applied``; one that failed or did
     not apply is recorded in ``fallbacks`` and skipped: it must not cost the others."""
     device = torch.device(recipe.device)
     compute = DTYPES[recipe.dtype]
-    # A float32 recipe over a half-precision model computes from a float32 copy: on a CPU without
-    # native float16, an fp16 bert-base ran 417 ms a call as given, 134 ms as a float32 copy under
-    # torch.compile (2-core Zen 5, the thirty-first session; benchmarks/RESULTS.md).
-    up = torch.float32 if compute == torch.float32 and model_dtype(original) != torch.float32 and not inplace else None
-
     def move(t):
-        if up is not None and t.is_floating_point():
-            return t.to(device, up)
+        if upcast and t.is_floating_point():  # upcasts(): a float32 copy of a half-precision model
+            return t.to(device, torch.float32)
         return t if t.device == device else t.to(device)
 
     if inplace:
