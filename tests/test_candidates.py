@@ -128,3 +128,18 @@ def test_the_float32_copy_is_made_only_of_a_plain_half_model_not_in_place():
     quantized = torch.nn.Linear(4, 4).half()
     quantized.kiln_quant = object()  # tk.quantize's mark: its weights would be dequantized by a cast
     assert not upcasts(quantized, fp32, inplace=False)
+
+
+def test_a_float64_model_is_never_computed_in_float32():
+    """The float32 copy is for half-precision models only: a float64 model went through it too (its
+    outputs cast back to float64, their digits float32's)."""
+    import torchkiln as tk
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).double().eval()
+    x = torch.randn(8, 32, dtype=torch.float64)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.1)
+    with torch.no_grad():
+        want = model(x)
+        for c in fast._cands:
+            torch.testing.assert_close(c.make()(x), want, rtol=1e-12, atol=1e-12)  # float32: ~1e-7

@@ -249,16 +249,17 @@ def _fp32(recipe: Recipe) -> Recipe:
 
 
 def upcast_wins(original: nn.Module, recipe: Recipe, inplace: bool) -> bool:
-    """A float16/bfloat16 model served at its own precision on a CPU that only emulates it: a float32
-    copy is likely faster (fp16 bert-base on a 2-core Zen 5 without AVX512_FP16: 417 ms a call as given,
-    134 ms as a float32 copy compiled), at twice the weights' memory; timed, not assumed."""
+    """A float16/bfloat16 model served at its own precision on a CPU that would not plan that dtype (it
+    only emulates it): a float32 copy (``upcasts``) is likely faster (fp16 bert-base on a 2-core Zen 5
+    without AVX512_FP16: 417 ms a call as given, 134 ms as a float32 copy compiled), at twice the
+    weights' memory; timed, not assumed."""
     own = model_dtype(original)
-    if inplace or recipe.device != "cpu" or own not in (torch.float16, torch.bfloat16) or DTYPES[recipe.dtype] != own:
+    if recipe.device != "cpu" or DTYPES[recipe.dtype] != own or not upcasts(original, _fp32(recipe), inplace):
         return False
     from .hardware import detect
+    from .plan import cpu
 
-    cpu = detect().cpu
-    return not (cpu.fp16_native if own == torch.float16 else cpu.bf16_native)
+    return cpu.choose_dtype(detect(), "cpu", own)[0] != own
 
 
 def _restrict(out: list[Candidate], keep, why: str, key: str, owner, fallbacks: list[Fallback]) -> list[Candidate]:

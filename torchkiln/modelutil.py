@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 
 import torch
@@ -172,3 +173,23 @@ def is_causal_lm(model: nn.Module) -> bool:
     head = getattr(model, "get_output_embeddings", None)
     return (config is not None and not getattr(config, "is_encoder_decoder", False) and callable(can)
             and bool(can()) and callable(head) and isinstance(head(), nn.Linear))
+
+
+def copy_with(model: nn.Module, fn, plain_only: bool = False) -> nn.Module:
+    """``copy.deepcopy(model)`` with each parameter and buffer replaced by ``fn(tensor.detach())``, through
+    deepcopy's memo (tied weights stay tied, nothing is copied twice). Where ``fn`` returns its argument, the
+    copy shares the original tensor. ``plain_only``: tensor subclasses are left to deepcopy's own way."""
+    memo: dict = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) in memo or (plain_only and type(t) not in (torch.Tensor, nn.Parameter)):
+            continue
+        d = t.detach()
+        new = fn(d)
+        if new is d:
+            memo[id(t)] = t
+        elif isinstance(t, nn.Parameter):
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad)
+            memo[id(t)].__dict__.update(t.__dict__)  # attributes libraries set on a parameter
+        else:
+            memo[id(t)] = new
+    return copy.deepcopy(model, memo)

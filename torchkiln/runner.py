@@ -3,7 +3,6 @@ the runner that converts inputs and outputs around it."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -12,7 +11,7 @@ from torch import nn
 
 from . import inputs
 from ._log import warn_once
-from .modelutil import DTYPES, model_dtype
+from .modelutil import DTYPES, copy_with, model_dtype
 from .passes import registry
 from .passes.registry import PassContext, Skip
 from .passes.sdpa_math import SDPARouter
@@ -102,7 +101,8 @@ def upcasts(original: nn.Module, recipe: Recipe, inplace: bool) -> bool:
     native float16, an fp16 bert-base ran 417 ms a call as given, 134 ms as a float32 copy under
     torch.compile (2-core Zen 5, the thirty-first session; benchmarks/RESULTS.md). Not for a quantized
     model (its weights are tensor subclasses: a cast would dequantize them) nor in place."""
-    return (DTYPES[recipe.dtype] == torch.float32 and model_dtype(original) != torch.float32 and not inplace
+    return (DTYPES[recipe.dtype] == torch.float32 and model_dtype(original) in (torch.float16, torch.bfloat16)
+            and not inplace
             and getattr(original, "kiln_quant", None) is None
             and all(type(t) in (torch.Tensor, nn.Parameter) for t in (*original.parameters(), *original.buffers())))
 
@@ -115,6 +115,7 @@ def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, 
     not apply is recorded in ``fallbacks`` and skipped: it must not cost the others."""
     device = torch.device(recipe.device)
     compute = DTYPES[recipe.dtype]
+
     def move(t):
         if upcast and t.is_floating_point():  # upcasts(): a float32 copy of a half-precision model
             return t.to(device, torch.float32)
@@ -125,15 +126,7 @@ def build_fast(original: nn.Module, recipe: Recipe, sample: inputs.Args | None, 
     else:
         # Share parameter and buffer tensors: passes that change a tensor make a new
         # one (passes/tensors.py), so the original stays intact without doubling memory.
-        memo = {}
-        for t in (*original.parameters(), *original.buffers()):
-            d = t.detach()
-            moved = move(d)
-            if moved is d:
-                memo[id(t)] = t
-            else:
-                memo[id(t)] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
-        fast = copy.deepcopy(original, memo)
+        fast = copy_with(original, move)
     fast.eval()
     for cfg in recipe.passes:
         info = registry.lookup(cfg.name)

@@ -8,9 +8,7 @@ unless ``inplace=True`` asks for it to be converted instead of copied (IPEX's me
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 import logging
 import time
 import types
@@ -20,7 +18,7 @@ from torch import nn
 
 from .. import _log
 from .._log import warn_once
-from ..modelutil import first_line, model_device, model_dtype, parse_dtype
+from ..modelutil import copy_with, first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
@@ -120,16 +118,8 @@ def _copy_as(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.M
     each tensor is copied straight into its new dtype and device (through deepcopy's memo, so tied
     weights stay tied). A float32 llama-1b served in bf16 on the CPU peaked at 12.0 GB that way
     (5.6 GB of weights: the model, its float32 copy, the casts); see docs/llm.md for the figure now."""
-    memo: dict = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) in memo or type(t) not in (torch.Tensor, nn.Parameter):  # subclasses: deepcopy's own way
-            continue
-        new = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else None, copy=True)
-        if type(t) is nn.Parameter:
-            new = nn.Parameter(new, t.requires_grad)
-            new.__dict__.update(t.__dict__)  # attributes libraries set on a parameter
-        memo[id(t)] = new
-    return copy.deepcopy(model, memo)
+    return copy_with(model, lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None, copy=True),
+                     plain_only=True)
 
 
 def _device(model, device) -> torch.device:
