@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import _log, inputs, stock
+from ._log import quiet_deprecations
 from .guard import compare
 from .modelutil import keeps_mode, parse_dtype
 from .modelutil import model_device as _model_device
@@ -225,6 +226,7 @@ def _build(recipe: stock.StockRecipe, device: torch.device, model: nn.Module) ->
 
 
 @keeps_mode
+@quiet_deprecations()  # torch's notices from what it runs are not the caller's (_log.py)
 def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = "O1", warmup: int = 5,
           iters: int = 20, peers: list[str] | None = None, name: str = "model", progress: bool = True,
           gemm_peak_gflops: float | None = None, rounds: int = 5, autotune_peers: bool = False,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _log, inputs
+from ._log import quiet_deprecations
 from .guard import CAP, compare, compare_each, tolerances
 from .modelutil import DTYPES, keeps_mode, model_device, parse_dtype
 from .optimize import optimize
@@ -125,6 +126,7 @@ def fresh_like(sample: inputs.Args, seed: int = 1234) -> inputs.Args:
 
 
 @keeps_mode
+@quiet_deprecations()  # torch's notices from what it runs are not the caller's (_log.py)
 def check(model: nn.Module, sample_input, dtype=torch.bfloat16, level: str = "O1",
           optimized: nn.Module | None = None, checks: tuple[str, ...] | None = None) -> CheckResult:
     """Run the consistency checks; returns a CheckResult (``print`` it, or ``.to_dict()``)."""

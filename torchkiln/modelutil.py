@@ -51,9 +51,14 @@ def is_oom(e: BaseException) -> bool:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's first line, for reports and warnings (its repr when the message is empty)."""
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else repr(e))[:300]
+    """An exception's first line, for reports and warnings (its repr when the message is empty); a
+    first line that only introduces the next (dynamo's "backend='inductor' raised:") with that line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return repr(e)[:300]
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"[:300]
+    return lines[0][:300]
 
 
 def has_conv(model: nn.Module) -> bool:

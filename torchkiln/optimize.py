@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import _log, hostmem, inputs
-from ._log import warn_once
+from ._log import quiet_deprecations, warn_once
 from .candidates import Candidate, applied_for, candidates, keeping_state, upcast_wins
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
@@ -241,7 +241,8 @@ class KilnModule(OwnCalls, OriginalFace):
             return
         object.__setattr__(self, "_snap", Pristine(self.kiln_original, args, kwargs))
         try:
-            yield
+            with quiet_deprecations():  # builds and compiles happen inside (_log.py says why)
+                yield
         finally:
             object.__setattr__(self, "_snap", None)
 
@@ -785,6 +786,7 @@ def _check_positional(optimizer, level) -> str:
     return level.upper()  # "o1" as "O1"
 
 
+@quiet_deprecations()  # torch's notices from what it runs are not the caller's (_log.py)
 def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool = False, *, sample_input=None,
              device=None, verify: str = "shapes", candidates: str = "auto", time_budget: float = 2.0,
              quantize=None, calib_data=None, eval_data=None, progress: bool | None = None, **knobs):

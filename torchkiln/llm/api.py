@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import _log
-from .._log import warn_once
+from .._log import quiet_deprecations, warn_once
 from ..modelutil import copy_with, first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
@@ -177,6 +177,7 @@ def _ipex_keywords(ipex: dict) -> None:
             warn_once(f"llm-ipex:{k}", f"torchkiln.llm: {k}= accepted with no effect: {IPEX_NO_EFFECT[k]}")
 
 
+@quiet_deprecations()  # torch's notices from what it runs are not the caller's (_log.py)
 def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, device=None,
              compile: bool = True, calib_data=None, inplace: bool = False, **ipex):
     """A copy of ``model`` (a decoder-only Hugging Face causal LM) with a fast ``generate``.

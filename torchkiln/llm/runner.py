@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._log import warn_once
+from .._log import quiet_deprecations, warn_once
 from ..modelutil import first_line, is_oom
 from .model import FastDecoder, captured, fresh
 
@@ -162,7 +162,8 @@ class Runner:
         step = self._build(every=kind == "verify")
         t0 = time.perf_counter()
         try:
-            out = step(tokens, slots, positions)
+            with quiet_deprecations():  # compiled in this first call (_log.py says why)
+                out = step(tokens, slots, positions)
         except Exception as e:  # noqa: BLE001
             if not self.compile or is_oom(e):
                 raise

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import inputs
-from .._log import warn_once
+from .._log import quiet_deprecations, warn_once
 from ..modelutil import is_causal_lm, model_device, model_dtype
 from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
@@ -213,6 +213,7 @@ def _evals(data: list, eval_data, sample, config: QuantConfig) -> tuple[list, st
     return ([sample], "the export sample") if sample is not None else ([], "")
 
 
+@quiet_deprecations()  # torch's notices from what it runs are not the caller's (_log.py)
 def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_data=None, device=None,
              progress: bool = True, **options) -> nn.Module:
     """Quantize a copy of ``model``; see the module docstring and docs/quantization.md."""

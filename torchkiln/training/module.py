@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import inputs
-from .._log import warn_once
+from .._log import quiet_deprecations, warn_once
 from ..face import OriginalFace
 from ..guard import Verdict, compare_each, tf32_allowed, tolerances
 from ..modelutil import DTYPES, first_line, has_conv, is_oom
@@ -150,7 +150,8 @@ class TrainModule(OriginalFace):
                 and torch.is_grad_enabled():
             with self._lock:
                 if self._fn is None:
-                    self._setup(args, kwargs)
+                    with quiet_deprecations():  # compiled in this first call (_log.py says why)
+                        self._setup(args, kwargs)
         fn = self._fn if self._fn is not None else self._eager
         try:
             return fn(*args, **kwargs)
