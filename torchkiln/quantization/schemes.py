@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from .._log import quiet_deprecations
 from .config import SCHEMES, QuantConfig
 
 
@@ -23,11 +24,13 @@ from .config import SCHEMES, QuantConfig
 def _quiet_torchao():
     # torchao logs a warning for each optional C extension that does not match the installed
     # torch (CUDA-only kernels on a CPU build); they are irrelevant to the schemes used here.
+    # Importing it imports inductor, whose torch.utils.mkldnn import warns (_log.quiet_deprecations).
     logger = logging.getLogger("torchao")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with quiet_deprecations():
+            yield
     finally:
         logger.setLevel(level)
 
