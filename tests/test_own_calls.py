@@ -421,3 +421,36 @@ def test_the_backward_rerun_leaves_the_models_state_as_eager_would():
     assert model.calls == before + 1  # the user's call; not the rerun
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_calls_under_autocast_at_the_optimized_dtype_are_served_with_it_off_inside(monkeypatch):
+    """IPEX's bf16 inference recipe (optimize at bf16, call under torch.cpu.amp.autocast()): the served
+    form runs with the caller's autocast off (it computes at that precision already), so torch.compile
+    does not recompile it unverified; the answer is the one served outside autocast."""
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    with torch.no_grad():
+        outside = fast(x)
+        served, seen = fast._fn, []
+        object.__setattr__(fast, "_fn", lambda *a, **k: seen.append(torch.is_autocast_enabled("cpu")) or served(*a, **k))
+        routed = counting(monkeypatch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = fast(x)
+        assert torch.is_autocast_enabled("cpu") is False  # the caller's state, restored
+    assert seen == [False] and routed == []
+    assert torch.equal(inside, outside)
+
+
+def test_calls_under_autocast_at_another_dtype_run_the_original_under_it(monkeypatch):
+    """Optimized at float32, called under bf16 autocast: eager's answer under that autocast (the original
+    runs it), said once in the report, where the served float32 form would silently ignore autocast."""
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0.2)
+    routed = counting(monkeypatch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, want = fast(x), model(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert routed == ["autocast"]
+    assert any("autocast" in f.step for f in fast.kiln_report.fallbacks)
+    assert any("dtype=<autocast's dtype>" in str(m.message) for m in w)

@@ -123,6 +123,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
         s(self, "_grad", None)  # (callable, words): what answers calls that need autograd (_grad_run)
         s(self, "_detours", {})  # signature -> (Candidate, callable): call forms the served one failed on
+        s(self, "_amp", (torch.device(self.kiln_recipe.device).type, DTYPES.get(self.kiln_recipe.dtype)))
 
     def __getstate__(self):
         # Compiled code, locks and graph pools don't copy or pickle: a copy keeps the
@@ -166,6 +167,8 @@ class KilnModule(OwnCalls, OriginalFace):
         served = self._served
         if served is not None and not served.live_weights and self._hooks.changed():
             return self._own_call(args, kwargs, "hooks")  # (live_weights: it runs the original's modules)
+        if torch.is_autocast_enabled(self._amp[0]):  # 0.1 us; below the calls the original answers
+            return self._under_autocast(args, kwargs)
         fn = self._fn
         new_shape = fn is not None and self._check_shape(args, kwargs)
         # A CUDA-graph replay is checked for changed weights after it is queued, while the GPU runs it:
@@ -202,6 +205,19 @@ class KilnModule(OwnCalls, OriginalFace):
         if late and self._stale():
             return self._refreshed(args, kwargs)
         return out
+
+    def _under_autocast(self, args, kwargs):
+        """A call under the caller's torch.autocast, as IPEX's bf16 inference recipe makes it
+        (``ipex.optimize(model, dtype=torch.bfloat16)``, then calls under ``torch.cpu.amp.autocast()``).
+        Its dtype the one optimized for: served with autocast off inside, the form verified at that
+        precision; left on, torch.compile recompiled the served graph at the first such call (bert-base
+        bf16: a 12.4 s call, a second graph, its output never verified). Another dtype: the original
+        under that autocast, as eager would answer (owncalls.py says why)."""
+        device, dtype = self._amp
+        if torch.get_autocast_dtype(device) != dtype:
+            return self._own_call(args, kwargs, "autocast")
+        with torch.autocast(device, enabled=False):
+            return self.forward(*args, **kwargs)
 
     def _refresh(self, args, kwargs):
         """Set up (first call) or rebuild (the original's weights changed) and answer this call;

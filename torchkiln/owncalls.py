@@ -42,6 +42,11 @@ _OWN_CALLS = {
                   "the optimized forms are built for plain tensors, and a transform's batched or tracked tensors "
                   "need the model's own operations, which the transform maps (vmap raised on data-dependent "
                   "control flow before); call the model outside the transform for the fast path"),
+    "autocast": ("calls under torch.autocast at another dtype than tk.optimize was given",
+                 "the original model (eager, under that autocast)",
+                 "the optimized form computes at the precision it was optimized and verified for, and autocast "
+                 "would make torch.compile recompile it, unverified, at the first such call; tk.optimize(model, "
+                 "dtype=<autocast's dtype>) serves that precision fast (with or without autocast around the calls)"),
     "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
               "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
               "call them; remove them, or tk.optimize again with them in place, for the fast path"),

@@ -514,3 +514,35 @@ def test_the_reported_timing_leaves_out_compiling_and_warm_up(monkeypatch):
     rep = fast.kiln_report
     assert len(seen) >= 2 and rep.first_call_seconds > 1.2  # both candidates warmed up, slowly
     assert rep.selection_seconds < 0.5, rep.selection_seconds  # the timed rounds of a tiny net only
+
+
+def test_ipex_training_recipe_under_autocast_runs_the_step_with_the_callers_autocast_off(monkeypatch):
+    """IPEX's bf16 training loop calls the model under torch.cpu.amp.autocast(): the step applies that
+    autocast itself, so the caller's is off inside (no second compile of the step); a caller's autocast at
+    another dtype reaches the step as it is. Losses match the same loop without the caller's autocast."""
+    with_bf16(monkeypatch)
+    runs = {}
+    for outer in (False, True):
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fast, opt = tk.optimize(model, optimizer=opt, dtype=torch.bfloat16, time_budget=0)
+        x, y = data()
+        losses, seen = [], []
+        for step in range(3):
+            if step == 1:  # set up by now: watch what the served step sees
+                served = fast._fn
+                object.__setattr__(fast, "_fn", lambda *a, s=served, log=seen, **k: log.append(
+                    torch.is_autocast_enabled("cpu")) or s(*a, **k))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):
+                loss = nn.functional.cross_entropy(fast(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert seen == [False, False]
+        runs[outer] = losses
+        if outer:
+            with torch.autocast("cpu", dtype=torch.float16):
+                fast(x)
+            assert seen[-1] is True
+    assert runs[True] == pytest.approx(runs[False], rel=1e-6)

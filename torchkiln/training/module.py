@@ -146,6 +146,14 @@ class TrainModule(OriginalFace):
 
     # ------------------------------------------------------------------ calls
     def forward(self, *args, **kwargs):
+        device, low = self._device.type, self._eager.dtype
+        if low is not None and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == low:
+            # IPEX's training recipe calls the model under torch.cpu.amp.autocast(): the step applies that
+            # autocast itself, and with the caller's on as well torch.compile compiled it a second time (a
+            # recompile stall, a graph never verified) when calls with and without it mixed. Another dtype
+            # is the caller's own mixed precision, left to autocast and torch.compile as stock.
+            with torch.autocast(device, enabled=False):
+                return self.forward(*args, **kwargs)
         if self._fn is None and self._compiled is not None and self.kiln_original.training \
                 and torch.is_grad_enabled():
             with self._lock:
