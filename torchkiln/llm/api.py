@@ -8,6 +8,7 @@ unless ``inplace=True`` asks for it to be converted instead of copied (IPEX's me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -356,7 +357,7 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
         req = resolve(self, ids.shape[1], generation_config, rest)
         if mask is None:
             mask = inferred_mask(ids, req.pad, req.sampling.eos)
-        with torch.no_grad():
+        with torch.no_grad(), _autocast_off(runner, report):
             seq, scores, logits = run(runner, ids, mask, req, streamer)
     except Fallback as f:
         report.fallbacks.append(f"generate({f}) -> the model's own generate")
@@ -369,6 +370,23 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
 
     return GenerateDecoderOnlyOutput(sequences=seq, scores=tuple(scores) if req.output_scores else None,
                                      logits=tuple(logits) if req.output_logits else None)
+
+
+def _autocast_off(runner: Runner, report: LLMReport):
+    """IPEX's run_generation.py calls generate under ``torch.cpu.amp.autocast()``. The fast decoder
+    computes in the dtype it was built and verified in, and the caller's autocast made torch.compile
+    compile every step again at the first such call (a small bf16 llama: a 4.29 s generate of 16 tokens
+    against 0.01 s; benchmarks/RESULTS.md, thirty-second session): autocast is off inside. At
+    another dtype than that, it would change nothing on this path either: said once."""
+    device = runner.device.type
+    if not torch.is_autocast_enabled(device):
+        return contextlib.nullcontext()
+    asked = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+    if asked != report.dtype:
+        warn_once(f"llm-autocast:{asked}", f"torchkiln.llm: generate() under torch.autocast({asked}) computes in "
+                  f"{report.dtype}, the dtype tk.llm.optimize built and verified it in; tk.llm.optimize(model, "
+                  f"dtype=torch.{asked}) decodes in {asked}")
+    return torch.autocast(device, enabled=False)
 
 
 def _rebuild(model, old: Runner, report: LLMReport) -> Runner:
