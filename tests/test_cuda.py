@@ -144,6 +144,32 @@ def test_a_cuda_graph_served_model_in_training_mode_and_under_vmap_runs_the_orig
     assert o.kiln_report.active == name and o._own is None
 
 
+def test_a_cuda_graph_served_bf16_model_under_autocast_replays_its_graphs():
+    """IPEX's recipe (optimize at bf16, call under autocast): the graphs replay with the caller's autocast
+    off inside, no new compile, the answer of the call outside autocast; autocast at float16 runs the
+    original under it."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 4)).cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    o = tk.optimize(model, dtype=torch.bfloat16, sample_input=x, candidates="torchkiln", time_budget=0)
+    name = "torchkiln compiled (bfloat16) + CUDA graphs"
+    o._install(name, o._find(name).make(), o._order)
+    with torch.no_grad():
+        outside = o(x).clone()
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            inside = o(x).clone()
+        assert counters["stats"]["unique_graphs"] == graphs
+        torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+        with torch.autocast("cuda", dtype=torch.float16):
+            half = o(x)
+            want = model(x)
+        assert half.dtype == torch.float16 and torch.equal(half, want)
+    assert o.kiln_report.active == name
+
+
 def test_cuda_graph_outputs_in_a_dataclass_survive_later_calls():
     """A model's own output dataclass was a pytree leaf: its tensors were not copied out of the graph
     pool, so the next replay overwrote the previous answer."""
