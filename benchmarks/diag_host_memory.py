@@ -2,6 +2,12 @@
 
     python benchmarks/diag_host_memory.py --model bert-base --dtype bfloat16
     python benchmarks/diag_host_memory.py --llm llama-1b --dtype bfloat16 [--from-dtype float32]
+    python benchmarks/diag_host_memory.py --model bert-base --dtype bfloat16 --limit-gib 0.6
+
+--limit-gib G: tk.optimize sees G GiB available above what the process held before it (MemAvailable
+faked from the process's own resident size, so the memory freed during the selection counts, as a
+container limit would see it); peers: torchkiln, torchkiln as it was before candidates were freed to
+make room (those that did not fit were skipped), and the stock recipe. Prints what each built and served.
 
 Each peer runs in its own fresh process (the peak, ru_maxrss, is per process): the model is built and
 called once, then the peer is built and called. Printed in GiB: resident before the peer, resident
@@ -55,7 +61,15 @@ def run_peer(a) -> dict:
         with torch.no_grad():
             call(model)
         before, top = rss(), peak()
-        if a.peer == "torchkiln":
+        if a.limit_gib is not None:
+            from torchkiln import hostmem
+
+            hostmem.available_bytes = lambda *_, **__: max(0, int((a.limit_gib - (rss() - before)) * 2**30))
+        if a.peer == "torchkiln-skip":  # before _make_room: what did not fit was skipped
+            from torchkiln.optimize import KilnModule
+
+            KilnModule._make_room = lambda *_, **__: False
+        if a.peer.startswith("torchkiln"):
             fast = tk.optimize(model, dtype=dtype, sample_input=x)
         else:
             from torchkiln.passes.compile import compile_model
@@ -64,7 +78,13 @@ def run_peer(a) -> dict:
         with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32 and
                                              a.peer == "stock"):
             call(fast)
-    return {"before": before, "after": rss(), "peak": peak(), "peak_before": top}
+    r = {"before": before, "after": rss(), "peak": peak(), "peak_before": top}
+    if not a.llm and a.peer.startswith("torchkiln"):
+        ms = fast.kiln_report.candidates
+        r["served"] = f"{fast.kiln_report.active} ({next(m.median_ms for m in ms if m.status == 'served')} ms)"
+        r["skipped"] = ", ".join(m.name for m in ms if m.status == "skipped") or "-"
+        r["freed"] = ", ".join(m.name for m in ms if "freed to make room" in (m.reason or "")) or "-"
+    return r
 
 
 def main() -> None:
@@ -73,18 +93,21 @@ def main() -> None:
     ap.add_argument("--llm", default=None, help="a tk.llm bench config (llama-125m, llama-1b, ...)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--from-dtype", default=None, help="--llm: the dtype the model is built in (default: --dtype)")
+    ap.add_argument("--limit-gib", type=float, default=None, help="GiB available to tk.optimize above the model")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # set in the child processes
     a = ap.parse_args()
     if a.peer:
         print(json.dumps(run_peer(a)))
         return
-    peers = ("copy", "inplace") if a.llm else ("torchkiln", "stock")
+    peers = ("copy", "inplace") if a.llm else \
+        ("torchkiln", "torchkiln-skip", "stock") if a.limit_gib is not None else ("torchkiln", "stock")
     what = f"{a.llm} {a.from_dtype or a.dtype} -> {a.dtype}" if a.llm else f"{a.model} {a.dtype}"
-    print(f"| {what} | resident before GiB | after | process peak |\n|---|---|---|---|")
+    print(f"| {what} | resident before GiB | after | process peak | served | skipped | freed |\n|---|---|---|---|---|---|---|")
     for p in peers:
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--peer", p], capture_output=True, text=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {p} | {r['before']:.2f} | {r['after']:.2f} | {r['peak']:.2f} |")
+        print(f"| {p} | {r['before']:.2f} | {r['after']:.2f} | {r['peak']:.2f} | {r.get('served', '')} | "
+              f"{r.get('skipped', '')} | {r.get('freed', '')} |")
 
 
 if __name__ == "__main__":

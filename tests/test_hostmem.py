@@ -119,3 +119,41 @@ def test_small_models_skip_the_collection(monkeypatch):
     monkeypatch.setattr(hostmem, "give_back", lambda: calls.append(1))
     tk.optimize(nn.Sequential(nn.Linear(8, 8)).eval(), sample_input=torch.randn(2, 8), time_budget=0.1)
     assert calls == [] and not hostmem.worth_returning(nn.Linear(8, 8))
+
+
+def test_with_room_for_two_copies_every_candidate_is_still_built_and_the_fastest_serves(monkeypatch):
+    """Memory for about two copies at a time (a fake MemAvailable that shrinks by each live build):
+    before a build that would not fit, the ones built so far are timed, the fastest kept and the
+    rest freed, so every candidate is built and competes; none is skipped, and what serves is the
+    fastest measured. Before, those that did not fit beside the first ones were skipped."""
+    import weakref
+
+    from torchkiln.optimize import KilnModule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).eval()
+    x = torch.randn(8, 64)
+    need = hostmem.build_bytes(model, torch.float32, compiled=True)
+    live = []
+    real_try = KilnModule._try
+
+    def tracking(self, cand, *a):
+        fn, out, why = real_try(self, cand, *a)
+        if fn is not None and not cand.live_weights:
+            live.append(weakref.ref(fn))
+        return fn, out, why
+
+    monkeypatch.setattr(KilnModule, "_try", tracking)
+    budget = int(need / hostmem.MARGIN) + need  # room for one more beside one live copy, not beside two
+    monkeypatch.setattr(hostmem, "available_bytes",
+                        lambda *a, **k: max(0, budget - need * sum(r() is not None for r in live)))
+    fast = tk.optimize(model, dtype=torch.bfloat16, sample_input=x)
+    by = {m.name: m for m in fast.kiln_report.candidates}
+    assert not [m for m in by.values() if m.status == "skipped"], by
+    freed = [m for m in by.values() if "freed to make room" in (m.reason or "")]
+    assert freed and all(m.median_ms is not None for m in freed)
+    final = {m.name: m.median_ms for m in by.values() if m.status in ("passed", "served") and m not in freed
+             and m.median_ms is not None}  # the last round (the freed ones lost an earlier one)
+    assert fast.kiln_report.active == min(final, key=final.get)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x).float(), model(x), rtol=5e-2, atol=5e-2)

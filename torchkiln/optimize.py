@@ -65,6 +65,7 @@ from .watch import WeightWatch
 
 log = logging.getLogger(__name__)
 VERIFY = ("shapes", "first", "off")
+OOM = "out of memory (skipped)"
 SCOPES = ("auto", "torchkiln")
 VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
 MAX_DETOURS = 8  # call forms the served candidate fails on, each sent one step down on its own; then all are
@@ -391,11 +392,16 @@ class KilnModule(OwnCalls, OriginalFace):
         for tier in sorted({c.tier for c in self._cands}):
             for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
                 m = measures.setdefault(cand.name, Measurement(cand.name, cand.kind, cand.dtype))
+                fn = out = None  # the last one's: _make_room may free it
                 short = self._no_room(cand)
+                if short and self._make_room(passed, verdicts, args, kwargs, measures):
+                    short = self._no_room(cand)
                 if short:
                     m.status, m.reason = "skipped", short
                     continue
                 fn, out, why = self._try(cand, args, kwargs, measures)
+                if why == OOM and self._make_room(passed, verdicts, args, kwargs, measures):
+                    fn, out, why = self._try(cand, args, kwargs, measures)
                 tick = getattr(self, "_tick", None)  # set by optimize(progress=True) around its sample call
                 if tick:
                     tick()
@@ -454,6 +460,33 @@ class KilnModule(OwnCalls, OriginalFace):
         self._mark_verified(args, kwargs)
         return self._for_real(fn, args, kwargs)
 
+    def _make_room(self, passed: dict, verdicts: dict, args, kwargs, measures) -> bool:
+        """The next candidate does not fit beside those built so far: time these against each other,
+        keep the fastest and free the other copies, so it can still be built and compete (before, it
+        was skipped: on a host with room for two copies of a model, torchkiln's own recipe, built after
+        the eager ones, never ran). The freed ones keep their times in the report. False: nothing to free."""
+        copies = [n for n in passed if not self._find(n).live_weights]
+        if len(passed) < 2 or not copies:
+            return False
+        self._time(passed, args, kwargs, measures)
+        timed = {n: measures[n].median_ms for n in passed if measures[n].median_ms is not None}
+        keep = min(timed, key=timed.get) if timed else None
+        drop = [n for n in copies if n != keep and n in passed]
+        if not drop:
+            return False
+        for name in drop:
+            passed.pop(name)
+            verdicts.pop(name, None)
+            measures[name].reason = "timed against the candidates built before it, then freed to make room for " \
+                                    "the next (memory)"
+        log.info("torchkiln: freed %s to make room for the next candidate", ", ".join(drop))
+        gc.collect()
+        if torch.device(self.kiln_recipe.device).type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            hostmem.give_back()
+        return True
+
     def _no_room(self, cand: Candidate) -> str | None:
         """Why ``cand`` is not built beside the others: the host would run out of memory (hostmem.py).
         On CUDA, torch raises OutOfMemoryError instead, and _try skips the candidate."""
@@ -498,7 +531,7 @@ class KilnModule(OwnCalls, OriginalFace):
             if is_oom(e):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                return None, None, "out of memory (skipped)"
+                return None, None, OOM
             reason = f"{type(e).__name__}: {first_line(e)}"
             step = cand.graph_breaks if _is_graph_break(e) else cand.python_wrapper
             if step is not None:  # one level down, recorded
