@@ -82,7 +82,9 @@ _DRIVEN = r"(torch|torchao)(\.|$)"
 def quiet_deprecations():
     """Around torchkiln's builds, verification and timing: torch's and torchao's deprecation notices
     are ignored, every other warning is filtered as the caller set it. catch_warnings swaps the
-    process-wide filter list, so a filter another thread adds meanwhile is lost when this exits."""
+    process-wide filter list (before Python 3.14), so a filter another thread adds meanwhile is lost
+    when this exits, and two threads' overlapping builds can leave these ignores in place. A lock
+    would not do: a build holding it could wait on a model's lock held by a thread waiting for it."""
     with warnings.catch_warnings():
         for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
             warnings.filterwarnings("ignore", category=category, module=_DRIVEN)
