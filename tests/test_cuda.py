@@ -144,7 +144,7 @@ def test_a_cuda_graph_served_model_in_training_mode_and_under_vmap_runs_the_orig
     assert o.kiln_report.active == name and o._own is None
 
 
-def test_a_cuda_graph_served_bf16_model_under_autocast_replays_its_graphs():
+def test_a_cuda_graph_served_bf16_model_under_autocast_or_inference_mode_replays_its_graphs():
     """IPEX's recipe (optimize at bf16, call under autocast): the graphs replay with the caller's autocast
     off inside, no new compile, the answer of the call outside autocast; autocast at float16 runs the
     original under it."""
@@ -161,8 +161,11 @@ def test_a_cuda_graph_served_bf16_model_under_autocast_replays_its_graphs():
         graphs = counters["stats"]["unique_graphs"]
         with torch.autocast("cuda", dtype=torch.bfloat16):
             inside = o(x).clone()
+        with torch.inference_mode():  # dispatch keys differ there: served out of it, no new graph
+            in_mode = o(x.clone()).clone()
         assert counters["stats"]["unique_graphs"] == graphs
         torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+        torch.testing.assert_close(in_mode, outside, rtol=0, atol=0)
         with torch.autocast("cuda", dtype=torch.float16):
             half = o(x)
             want = model(x)

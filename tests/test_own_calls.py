@@ -454,3 +454,26 @@ def test_calls_under_autocast_at_another_dtype_run_the_original_under_it(monkeyp
     assert routed == ["autocast"]
     assert any("autocast" in f.step for f in fast.kiln_report.fallbacks)
     assert any("dtype=<autocast's dtype>" in str(m.message) for m in w)
+
+
+def test_calls_under_inference_mode_reuse_the_graph_compiled_under_no_grad():
+    """Selection runs under no_grad; serving stacks call under torch.inference_mode(), whose dispatch
+    keys failed dynamo's input guards: the served graph was compiled again at the first such call
+    (bert-base bf16: 14 s). Inputs made inside inference mode included."""
+    from torch._dynamo.utils import counters
+
+    model, x = features(), torch.randn(2, 3, 16, 16)
+    fast = tk.optimize(model, sample_input=x, candidates="torchkiln", time_budget=0)
+    name = "torchkiln compiled (float32)"
+    fast._install(name, fast._find(name).make(), fast._order)
+    with torch.no_grad():
+        want = fast(x)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        made_inside = x.clone()
+        got = fast(made_inside)
+        again = fast(x)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert fast.kiln_report.active == name
+    assert torch.equal(got, want) and torch.equal(again, want)
+    torch.testing.assert_close(got, model(x).detach(), rtol=1e-4, atol=1e-5)

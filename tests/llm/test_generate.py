@@ -110,7 +110,7 @@ def _two_models_two_batches():
         assert not fast.kiln_report.fallbacks and len(fast.kiln_report.compile_s) == 2
 
 
-def test_generate_under_the_callers_autocast_compiles_nothing_again():
+def test_generate_under_the_callers_autocast_or_inference_mode_compiles_nothing_again():
     """IPEX's run_generation.py calls generate under torch.cpu.amp.autocast(): the decoder computes in the
     dtype it was built in, with autocast off inside. Before, torch.compile compiled every step again at
     the first such call (4.3 s for 16 tokens of a small llama, 0.01 s after). A float32 decoder under
@@ -128,6 +128,10 @@ def test_generate_under_the_callers_autocast_compiles_nothing_again():
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(under, plain)
     assert [m for m in w if "computes in float32" in str(m.message)]
+    with torch.inference_mode():  # run_generation.py's context, the prompt made inside it
+        inside = fast.generate(ids.clone(), max_new_tokens=6, **GREEDY)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(inside, plain)
 
 
 def test_compiled_decode_matches_hf(models):

@@ -357,7 +357,11 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
         req = resolve(self, ids.shape[1], generation_config, rest)
         if mask is None:
             mask = inferred_mask(ids, req.pad, req.sampling.eos)
-        with torch.no_grad(), _autocast_off(runner, report):
+        # Out of inference mode (IPEX's run_generation.py and serving stacks generate under it): the steps
+        # are compiled under no_grad (verify, or the first generate) and dynamo guards each input's
+        # dispatch keys, which inference mode changes: every step was compiled again when the two mixed.
+        with torch.inference_mode(False), torch.no_grad(), _autocast_off(runner, report):
+            ids, mask = (t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in (ids, mask))
             seq, scores, logits = run(runner, ids, mask, req, streamer)
     except Fallback as f:
         report.fallbacks.append(f"generate({f}) -> the model's own generate")
