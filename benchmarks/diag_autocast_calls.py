@@ -1,8 +1,9 @@
 """IPEX's bf16 recipes call the optimized model under the caller's autocast:
 ``ipex.optimize(model, dtype=torch.bfloat16)`` then ``with torch.no_grad(), torch.cpu.amp.autocast():
-model(x)``, and run_generation.py's ``generate`` under autocast too. What the first call under autocast
-costs (a recompile of the served graph, before torchkiln turned the caller's autocast off inside), the
-steady call time under and outside autocast, eager under autocast for scale, and tk.llm's generate:
+model(x)``, and run_generation.py's ``generate`` under autocast and ``torch.inference_mode()``. What the
+first call under inference mode, then under autocast, costs (a recompile of the served graph each, before
+torchkiln served them out of those contexts), the steady call time under and outside autocast, eager under
+autocast for scale, and tk.llm's generate:
 
     python benchmarks/diag_autocast_calls.py [--model bert-base] [--rounds 15]
 """
@@ -35,6 +36,10 @@ def main() -> None:
     fast = tk.optimize(m, dtype=torch.bfloat16, sample_input=x)
     print(str(tk.report(fast)).splitlines()[0])
     ac = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    with torch.inference_mode():
+        t = time.perf_counter()
+        call(fast)
+        print(f"first call under inference_mode: {time.perf_counter() - t:.2f} s")
     with torch.no_grad():
         ref = first(call(m)).float()
         with ac():
@@ -62,11 +67,13 @@ def main() -> None:
     fast = tk.llm.optimize(llm, dtype=torch.bfloat16)
     ids = torch.randint(0, 1000, (1, 16))
     print("| tk.llm generate, 16 new tokens | s |\n|---|---|")
-    for i, on in enumerate((False, True, True)):
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+    for i, (mode, on) in enumerate((("no_grad", False), ("inference_mode", False), ("inference_mode", True),
+                                     ("inference_mode", True))):
+        ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+        with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
             t = time.perf_counter()
             fast.generate(ids, max_new_tokens=16, do_sample=False)
-        print(f"| call {i + 1}, {'under autocast' if on else 'outside autocast'} | {time.perf_counter() - t:.3f} |")
+        print(f"| call {i + 1}, {mode}{', autocast' if on else ''} | {time.perf_counter() - t:.3f} |")
 
 
 if __name__ == "__main__":
