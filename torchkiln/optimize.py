@@ -409,7 +409,10 @@ class KilnModule(OwnCalls, OriginalFace):
                 short = self._no_room(cand)
                 if short and self._make_room(passed, verdicts, args, kwargs, measures):
                     short = self._no_room(cand)
-                if short:
+                if short:  # said only now: room made above is no skip
+                    warn_once("hostmem", f"torchkiln: not enough host memory to build every candidate side by side "
+                              f"({cand.name}: {short.removeprefix('not built: ')}); the ones that don't fit are "
+                              "skipped. See tk.report(model).", owner=self)
                     m.status, m.reason = "skipped", short
                     continue
                 fn, out, why = self._try(cand, args, kwargs, measures)
@@ -509,9 +512,6 @@ class KilnModule(OwnCalls, OriginalFace):
         free = hostmem.available_bytes()
         if hostmem.fits(need, free):
             return None
-        warn_once("hostmem", f"torchkiln: not enough host memory to build every candidate side by side "
-                  f"({cand.name} needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available); the ones "
-                  "that don't fit are skipped. See tk.report(model).", owner=self)
         return f"not built: needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB of host memory available"
 
     def _rebuild(self, args, kwargs, ref, measures):
