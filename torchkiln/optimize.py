@@ -124,6 +124,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
         s(self, "_grad", None)  # (callable, words): what answers calls that need autograd (_grad_run)
         s(self, "_detours", {})  # signature -> (Candidate, callable): call forms the served one failed on
+        # (device type, dtype optimized for), read by every call's autocast check (_under_autocast)
         s(self, "_amp", (torch.device(self.kiln_recipe.device).type, DTYPES.get(self.kiln_recipe.dtype)))
 
     def __getstate__(self):
@@ -505,7 +506,7 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def _no_room(self, cand: Candidate) -> str | None:
         """Why ``cand`` is not built beside the others: the host would run out of memory (hostmem.py).
-        On CUDA, torch raises OutOfMemoryError instead, and _try skips the candidate."""
+        On CUDA, torch raises OutOfMemoryError instead: _setup makes room once, then skips it."""
         if cand.live_weights or torch.device(self.kiln_recipe.device).type != "cpu":
             return None
         need = hostmem.build_bytes(self.kiln_original, DTYPES.get(cand.dtype, torch.float32), cand.kind != "eager")
