@@ -163,6 +163,7 @@ def _load() -> None:
         gelu_epilogue,
         hash_dropout,
         onednn_linear,
+        pad_conv_channels,
         replace_dropout,
     )
 

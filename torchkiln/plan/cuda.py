@@ -33,6 +33,9 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows
     passes, fmt = base_passes(dtype, has_conv, islands=FP32_ISLANDS)
     if has_conv:
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
+        if dtype in (torch.bfloat16, torch.float16):
+            # The tensor-core kernels want 4+ input channels (passes/pad_conv_channels.py has the figures).
+            passes.append(registry.make("pad_conv_channels"))
     options: dict = {"freezing": True}
     # CUDA-graph replay removes per-kernel launch cost. Measured on the H200,
     # bert-base bf16, interleaved in one process (benchmarks/cuda_graphs.py):
