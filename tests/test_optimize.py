@@ -863,3 +863,31 @@ def test_a_call_form_the_served_candidate_fails_on_detours_alone(monkeypatch):
         torch.testing.assert_close(o(x, double=True), m(x, double=True), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
         assert len(o.kiln_report.fallbacks) == n and o.kiln_report.active == first
+
+
+@pytest.mark.parametrize("wins", ["torchkiln compiled (bfloat16)", "eager bf16-cast", "eager (as given, float32)"])
+def test_inputs_in_the_planned_half_precision_are_answered_in_it(monkeypatch, wins):
+    """``x.bfloat16()`` into a float32 model optimized for bf16 (IPEX's bf16 weights took it): answered in
+    bf16 whichever candidate serves, checked against the float32 model on the same values; the float32
+    model as given, served, sends those calls one step down. ``.bfloat16()`` asks for what it has."""
+    with_bf16(monkeypatch)
+    monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {n: [0.001 if n == wins else 0.002] * 3
+                                                                      for n in fns})
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 10)).eval()
+    x = torch.randn(16, 32)
+    fast = tk.optimize(m, dtype=torch.bfloat16, sample_input=x)
+    assert tk.report(fast).active == wins
+    assert fast.bfloat16() is fast and fast.to(torch.bfloat16) is fast
+    for xs in (x.bfloat16(), torch.randn(4, 32).bfloat16()):
+        y = fast(xs)
+        with torch.no_grad():
+            ref = m(xs.float())  # the reference another way: the float32 model on the rounded values
+        assert y.dtype == torch.bfloat16
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-2
+    assert fast(x).dtype == torch.float32  # float32 calls as before
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    with pytest.raises(RuntimeError, match="same dtype"):  # float16 is not what it was planned for: eager's error
+        fast(x.half())
+    with pytest.raises(RuntimeError, match="optimize again"):
+        fast.half()

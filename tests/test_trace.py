@@ -94,3 +94,18 @@ def test_torch_compile_of_the_returned_model_runs_it_as_is(monkeypatch):
         got = torch.compile(fast)(x)
     assert seen == [False]  # run once, not traced
     torch.testing.assert_close(got, want)
+
+
+def test_script_of_the_returned_model_scripts_the_original():
+    """torch.jit.script(fast) raised NotSupportedError on the wrapper's ``*args`` forward, where scripting
+    the user's model worked; it scripts the original now, and says so."""
+    model, x = cnn(), torch.randn(2, 3, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = tk.optimize(model, sample_input=x, time_budget=0.2)
+    with pytest.warns(UserWarning, match="torch.jit.script of the model tk.optimize returned scripts the original"):
+        scripted = torch.jit.script(fast)
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)  # the returned model still serves
+    assert isinstance(scripted, torch.jit.ScriptModule) and type(fast).__name__ == "KilnModule"

@@ -337,6 +337,8 @@ class KilnModule(OwnCalls, OriginalFace):
             return None  # its weights are the optimized ones now: no untouched truth
         model = self.kiln_original
         ref_args, ref_kwargs = inputs.to((args, kwargs), model_device(model))
+        if self._low_inputs(args, kwargs):  # the values given, in the float32 model's own precision
+            ref_args, ref_kwargs = inputs.to((ref_args, ref_kwargs), dtype=torch.float32)
         self._restore()
         with eval_mode(model), torch.no_grad():
             if model_dtype(model) in (torch.bfloat16, torch.float16):
@@ -345,6 +347,15 @@ class KilnModule(OwnCalls, OriginalFace):
                     return truth
                 self._restore()
             return model(*ref_args, **ref_kwargs)
+
+    def _low_inputs(self, args, kwargs) -> bool:
+        """Inputs in the half precision a float32 model was optimized for (``x.bfloat16()`` after
+        ``tk.optimize(model, dtype=torch.bfloat16)``, which IPEX's bf16 weights took): the served form
+        takes them and answers in their dtype; the guard's truth is the model on their float32 values."""
+        low = DTYPES.get(self.kiln_recipe.dtype)
+        if low not in (torch.bfloat16, torch.float16) or model_dtype(self.kiln_original) != torch.float32:
+            return False
+        return any(t.dtype == low for t in inputs.flatten((args, kwargs)) if t.is_floating_point())
 
     def _probe_state(self, args, kwargs) -> None:
         """Find what the original's forward changes at every call (pristine.per_call_state) and, if

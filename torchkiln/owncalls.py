@@ -130,6 +130,16 @@ class OwnCalls:
             torch._C._set_tracing_state(tracing)
         return model(*args, **kwargs)
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` asks this of every module first: it scripts the original (its code and
+        parameters, shared with it, as scripting it directly would), because what torchkiln serves is
+        not scriptable code. Before, scripting the returned model raised NotSupportedError on its
+        ``*args`` forward, where scripting the user's model worked."""
+        warn_once("jit.script", "torchkiln: torch.jit.script of the model tk.optimize returned scripts the original "
+                  f"model, not what torchkiln serves ({self.kiln_report.active}): call the returned model instead",
+                  stacklevel=None, owner=self)
+        return self.kiln_original
+
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
