@@ -444,6 +444,32 @@ def test_train_mode_without_optimizer_is_a_clear_error():
     assert m[3].training and not m.training  # untouched
 
 
+class _ReadsTraining(nn.Module):
+    def forward(self, x):
+        return x * 2 if self.training else x
+
+
+def test_modules_made_after_eval_that_ignore_training_mode_are_served():
+    """``model.fc = nn.Identity()`` after ``.eval()`` (feature extraction) and quantize_dynamic's modules
+    are made in training mode, but compute the same in either: tk.optimize raised "in training mode"
+    where eager ran. A module of the user's own in training mode still raises (its forward may read it)."""
+    m = mlp()
+    m[6] = nn.Identity()  # made in training mode
+    x = torch.randn(8, 32)
+    assert m[6].training and not m.training
+    fast = tk.optimize(m, sample_input=x, time_budget=0.2)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), m(x), rtol=1e-4, atol=1e-5)
+    q = torch.ao.quantization.quantize_dynamic(mlp(), {nn.Linear}, dtype=torch.qint8)
+    assert any(mod.training for mod in q.modules())
+    fast = tk.optimize(q, sample_input=x, time_budget=0.2)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), q(x), rtol=1e-4, atol=1e-5)
+    m[6] = _ReadsTraining()
+    with pytest.raises(ValueError, match="submodule '6' is in training mode"):
+        tk.optimize(m)
+
+
 def test_already_optimized_and_intel_only_knobs_warn():
     log_mod._warned.clear()
     o = tk.optimize(mlp(), graph_mode=False)

@@ -65,9 +65,25 @@ def has_conv(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
+# torch's modules whose forward reads ``training``. Every other torch.nn / torch.ao.nn module computes
+# the same in either mode, and some are made in training mode after the user's ``.eval()``: a head
+# swapped in for feature extraction (``model.fc = nn.Identity()``), the modules quantize_dynamic puts
+# in. Counted as training, they made tk.optimize raise where eager ran (the thirty-third session's probes).
+_MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase, nn.RNNBase, nn.RReLU,
+                   nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
+                   nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+_TORCH_MODULES = ("torch.nn.", "torch.ao.nn.")
+
+
+def acts_in_training(m: nn.Module) -> bool:
+    """In training mode, and a module whose training mode may change what it computes: one of torch's
+    that reads it, or any other (a user's or a library's forward may read ``self.training``)."""
+    return m.training and (isinstance(m, _MODE_DEPENDENT) or not type(m).__module__.startswith(_TORCH_MODULES))
+
+
 def training_module(model: nn.Module) -> str | None:
-    """The name of the first submodule in training mode ("" for the root), or None."""
-    return next((name for name, m in model.named_modules() if m.training), None)
+    """The name of the first submodule in training mode that it acts on ("" for the root), or None."""
+    return next((name for name, m in model.named_modules() if acts_in_training(m)), None)
 
 
 @contextlib.contextmanager
