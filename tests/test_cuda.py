@@ -47,10 +47,10 @@ def test_optimize_bf16_on_gpu_matches_fp32_eager(name, batch):
     assert ((y - ref).norm() / ref.norm()).item() <= rep.tolerance
     if name == "resnet50":
         assert r.memory_format == "channels_last"
-        # the RGB stem padded to 4 input channels in the build, the caller's weight as it was
+        # the RGB stem padded to 8 input channels in the build, the caller's weight as it was
         assert "pad_conv_channels" in r.pass_names and model.conv1.weight.shape == (64, 3, 7, 7)
         if rep.active.startswith("torchkiln"):
-            assert "pad_conv_channels (conv1 3->4 input channels)" in rep.applied, str(rep)
+            assert "pad_conv_channels (conv1 3->8 input channels)" in rep.applied, str(rep)
     assert [id(p) for p in o.parameters()] == [id(p) for p in model.parameters()]
     assert o.to("cuda") is o and o.cuda() is o
 

@@ -54,7 +54,7 @@ def test_the_callers_conv_keeps_its_weight():
 
 
 @pytest.mark.parametrize("conv", [
-    nn.Conv2d(4, 8, 3),  # already a multiple
+    nn.Conv2d(8, 8, 3),  # already a multiple
     nn.Conv2d(2, 4, 3, groups=2),  # grouped
     nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"),  # would pad the zero channels' reflection too
     type("WS", (nn.Conv2d,), {})(3, 8, 3),  # a subclass may change forward
@@ -75,6 +75,6 @@ def test_a_hooked_conv_is_left_alone():
 def test_registered_pass_notes_what_it_padded():
     info = registry.lookup("pad_conv_channels")
     out, note = info.apply(stem_net(), PadConvChannelsConfig(), CTX)
-    assert note == "0 3->4 input channels" and type(out[0]) is PaddedConv2d
-    _, note = info.apply(nn.Sequential(nn.Linear(2, 2)), PadConvChannelsConfig(multiple=8), CTX)
+    assert note == "0 3->8 input channels" and type(out[0]) is PaddedConv2d
+    _, note = info.apply(nn.Sequential(nn.Linear(2, 2)), PadConvChannelsConfig(multiple=4), CTX)
     assert note == "no convolution of few input channels"

@@ -1,11 +1,13 @@
 """Zero input channels appended to a convolution with a few (an RGB stem), so cuDNN's tensor-core
-kernels apply: in channels_last they want the channel count a multiple of 4 (8 bytes of half
+kernels apply: in channels_last they want the channel count a multiple of 8 (16 bytes of half
 precision). The result is the same sum (the added terms are 0 * 0).
 
-Measured on the H200, resnet50 bf16 bs256 channels_last, torchkiln's compiled recipe, interleaved
-in one process (``benchmarks/diag_stem_pad.py``): 10.12 ms as given, 9.87 ms with the stem padded
-to 4 channels, 9.83 ms to 8 (GPU time 9.62 -> 9.46 / 9.45 ms). Not on the CPU: oneDNN has its own
-kernel for 3-channel inputs (the same script, bs2: 43.1 vs 42.5 ms, noise)."""
+Measured on H200s, resnet50 bf16 channels_last, torchkiln's compiled recipe, interleaved in one
+process (``benchmarks/diag_stem_pad.py``), median ms as given / padded to 4 / padded to 8:
+bs256 10.12 / 9.87 / 9.83 and 10.11 / 10.03 / 9.98 (two leases; GPU time 9.62 / 9.46 / 9.45 and
+9.76 / 9.70 / 9.62), bs64 2.89 / 2.91 / 2.87 (GPU 2.61 / 2.57 / 2.57). Small (1-3%), and 8 never
+behind 4. Not on the CPU: oneDNN has its own kernel for 3-channel inputs (the same script, bs2:
+43.1 vs 42.5 ms, noise)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def padded(conv: nn.Conv2d, to: int) -> PaddedConv2d:
     return new
 
 
-def pad_conv_channels(model: nn.Module, multiple: int = 4) -> tuple[nn.Module, list[str]]:
+def pad_conv_channels(model: nn.Module, multiple: int = 8) -> tuple[nn.Module, list[str]]:
     """Replaces each eligible Conv2d of fewer than ``multiple`` input channels; returns the model
     and the names replaced."""
     names = [n for n, m in model.named_modules() if n and _eligible(m, multiple)]
@@ -60,7 +62,7 @@ def pad_conv_channels(model: nn.Module, multiple: int = 4) -> tuple[nn.Module, l
 @dataclass(frozen=True)
 class PadConvChannelsConfig:
     name: ClassVar[str] = "pad_conv_channels"
-    multiple: int = 4
+    multiple: int = 8
 
 
 @register(PadConvChannelsConfig, order=55)

@@ -34,7 +34,7 @@ def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows
     if has_conv:
         notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
         if dtype in (torch.bfloat16, torch.float16):
-            # The tensor-core kernels want 4+ input channels (passes/pad_conv_channels.py has the figures).
+            # The tensor-core kernels want 8 input channels (passes/pad_conv_channels.py has the figures).
             passes.append(registry.make("pad_conv_channels"))
     options: dict = {"freezing": True}
     # CUDA-graph replay removes per-kernel launch cost. Measured on the H200,
