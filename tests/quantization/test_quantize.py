@@ -643,3 +643,37 @@ def test_quantize_in_optimize_is_timed_against_the_float_model(monkeypatch):
     q = quiet(tk.quantize, m, "int8-dynamic", calib_data=[x])
     served = quiet(tk.optimize, q, sample_input=x, time_budget=0.2)  # no float model given: nothing to compare
     assert "vs_float_model_as_given" not in served.kiln_report.speedup
+
+
+@needs.pt2e
+def test_a_first_batch_the_model_rejects_is_named_before_export():
+    """A calibration batch of the wrong width raised from inside torch.export's fake tensors ("a and b must
+    have same reduction dim, but got [s31, s81] X [64, 128]") after a page of logged traceback."""
+    with pytest.raises(ValueError, match=r"calib_data batch 0 was rejected by the model itself \(RuntimeError: "
+                                         r"mat1 and mat2 shapes cannot be multiplied"):
+        quiet(tk.quantize, mlp(), "int8-static", calib_data=[torch.randn(8, 65)], progress=False)
+    with pytest.raises(ValueError, match="sample_input batch 0 was rejected"):
+        quiet(tk.quantize, mlp(), "int8-dynamic", sample_input=torch.randn(8, 65), progress=False)
+
+
+def test_an_unknown_keep_name_is_an_error_and_a_parent_keeps_its_layers():
+    m = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), nn.Linear(64, 16)).eval()
+    with pytest.raises(ValueError, match=r"keep=\['0.2x'\]: \['0.2x'\] is not a module name of Sequential; "
+                                         r"close: \['0.2'\].*named like \['0.0', '0.2', '1'\]"):
+        tk.quantize(m, "int8-weight-only", keep=["0.2x"], progress=False)
+    q = quiet(tk.quantize, m, "int8-weight-only", keep=["0"], progress=False)  # the block: both its linears
+    assert sorted(q.kiln_quant.report.kept) == ["0", "0.0", "0.2"] and q.kiln_quant.report.quantized == 1
+    x = torch.randn(4, 64)
+    with torch.no_grad():  # kept layers compute in float: the block's output is the float model's
+        torch.testing.assert_close(q[0](x), m[0](x), rtol=0, atol=0)
+        assert not torch.equal(q[1](x), m[1](x))  # the other one is quantized
+
+
+def test_quantizing_a_quantized_model_is_a_clear_error():
+    q = quiet(tk.quantize, mlp(), "int8-weight-only", progress=False)
+    with pytest.raises(ValueError, match=r"quantized already \(tk.quantize made it: int8-weight-only\)"):
+        tk.quantize(q, "int4-weight-only", progress=False)
+    plain = mlp()
+    plain[0].weight = nn.Parameter(q[0].weight.detach(), requires_grad=False)  # a torchao weight, by hand
+    with pytest.raises(ValueError, match=r"quantized already \(0's weight is a "):
+        tk.quantize(plain, "int8-weight-only", progress=False)

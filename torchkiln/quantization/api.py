@@ -219,6 +219,10 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     """Quantize a copy of ``model``; see the module docstring and docs/quantization.md."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
+    done = _quantized_already(model)
+    if done:
+        raise ValueError(f"the model is quantized already ({done}): quantize the floating-point model instead "
+                         f"(tk.quantize(float_model, {scheme!r}, ...))")
     config = make(scheme, **options)
     data = calibrate.batches(calib_data, "calib_data")
     if config.needs_calibration and not data:
@@ -234,6 +238,7 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
                   f"{config.scheme} quantizes (nn.Linear{', nn.Conv' if config.static else ''})"
                   f"{_why_none(model, config)}; returned unchanged")
         return model
+    config = _keep_under(model, config, names)
     sample = inputs.normalize(sample_input) if sample_input is not None else (data[0] if data else None)
     calibrate.check_fits(model, data)
     if sample_input is not None:
@@ -242,12 +247,46 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
         raise ValueError(f"scheme {config.scheme!r} exports the model (torch.export), which needs one example "
                          "batch: pass sample_input=... (a tensor, a tuple of arguments or a dict of keyword "
                          "arguments) or calib_data=[...]")
+    if backend == "pt2e":  # export's own error for a batch the model rejects is unreadable
+        calibrate.check_runs(model, sample, "sample_input" if sample_input is not None else "calib_data")
     evals, on = _evals(data, eval_data, sample, config)
     prepared = _prepare(model, config, sample, dev)
     if prepared.backend == "pt2e" and config.scheme == "int8-smoothquant":
         prepared = _resmoothed(prepared, data)
     calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
     return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on)
+
+
+def _quantized_already(model: nn.Module) -> str | None:
+    """What says ``model`` holds quantized layers: tk.quantize's output, or weights that are tensor
+    subclasses (torchao's). Quantized again, torchao failed deep inside ("Int8Tensor dispatch:
+    attempting to run unimplemented operator ... aten.view")."""
+    if "kiln_quant" in vars(model):
+        return f"tk.quantize made it: {model.kiln_quant.config.scheme}"
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            if type(p) not in (torch.Tensor, nn.Parameter):
+                return f"{name or 'the model'}'s weight is a {type(p).__name__}"
+    return None
+
+
+def _keep_under(model: nn.Module, config: QuantConfig, names: list[str]) -> QuantConfig:
+    """``keep`` checked against the model's module names (an unknown one was silently ignored), and a
+    module that holds quantizable layers (``keep=["encoder.layer.0"]``) keeps each of them: the
+    weight-only flows matched ``keep`` to the layers' own names only."""
+    if not config.keep:
+        return config
+    mods = dict(model.named_modules())
+    unknown = [k for k in config.keep if k not in mods]
+    if unknown:
+        import difflib
+
+        close = sorted({c for k in unknown for c in difflib.get_close_matches(k, list(mods), n=3)})
+        raise ValueError(f"keep={list(config.keep)!r}: {unknown} is not a module name of {type(model).__name__}"
+                         + (f"; close: {close}" if close else "")
+                         + f"; the layers {config.scheme} quantizes are named like {names[:3]}")
+    under = [n for n in names if n not in config.keep and any(k == "" or n.startswith(k + ".") for k in config.keep)]
+    return config.replace(keep=config.keep + tuple(under)) if under else config
 
 
 def _why_none(model: nn.Module, config: QuantConfig) -> str:

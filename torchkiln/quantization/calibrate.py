@@ -57,6 +57,26 @@ def check_fits(model: nn.Module, data: list[inputs.Args], name: str = "calib_dat
                             f"({len(a)} positional, keywords {sorted(k)}){hint}") from None
 
 
+def check_runs(model: nn.Module, batch: inputs.Args, name: str, index: int = 0) -> None:
+    """One eager call of the float model on ``batch`` (its state put back after), before torch.export
+    traces it: a batch the model rejects (a wrong feature size) raised from inside export's fake
+    tensors, "a and b must have same reduction dim, but got [s31, s81] X [64, 128]", after a page of
+    logged traceback (the thirty-third session's probes)."""
+    from ..modelutil import first_line, model_device
+    from ..pristine import Pristine
+
+    a, k = inputs.to(batch, model_device(model))
+    snap = Pristine(model, a, k)
+    try:
+        with torch.no_grad():
+            model(*a, **k)
+    except Exception as e:
+        raise ValueError(f"{name} batch {index} was rejected by the model itself ({type(e).__name__}: "
+                         f"{first_line(e)}); pass batches its forward() takes") from e
+    finally:
+        snap.restore()
+
+
 def run(model: nn.Module, data: list[inputs.Args], device, what: str = "calibrating",
         show: bool = True) -> list:
     """Call ``model`` on every batch (moved to ``device``) and return the outputs; a batch the
