@@ -661,6 +661,8 @@ def test_an_unknown_keep_name_is_an_error_and_a_parent_keeps_its_layers():
     with pytest.raises(ValueError, match=r"keep=\['0.2x'\]: \['0.2x'\] is not a module name of Sequential; "
                                          r"close: \['0.2'\].*named like \['0.0', '0.2', '1'\]"):
         tk.quantize(m, "int8-weight-only", keep=["0.2x"], progress=False)
+    with pytest.raises(ValueError, match=r"is not a module name"):
+        tk.quantization.prepare(m, "int8-weight-only", keep=["0.2x"])
     q = quiet(tk.quantize, m, "int8-weight-only", keep=["0"], progress=False)  # the block: both its linears
     assert sorted(q.kiln_quant.report.kept) == ["0", "0.0", "0.2"] and q.kiln_quant.report.quantized == 1
     x = torch.randn(4, 64)
@@ -673,6 +675,8 @@ def test_quantizing_a_quantized_model_is_a_clear_error():
     q = quiet(tk.quantize, mlp(), "int8-weight-only", progress=False)
     with pytest.raises(ValueError, match=r"quantized already \(tk.quantize made it: int8-weight-only\)"):
         tk.quantize(q, "int4-weight-only", progress=False)
+    with pytest.raises(ValueError, match=r"quantized already"):  # the two-step form too
+        tk.quantization.prepare(q, "int8-weight-only")
     plain = mlp()
     plain[0].weight = nn.Parameter(q[0].weight.detach(), requires_grad=False)  # a torchao weight, by hand
     with pytest.raises(ValueError, match=r"quantized already \(0's weight is a "):

@@ -145,8 +145,10 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
     """Step one of the IPEX-style flow: returns a model that calibrates when called."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() expects a torch.nn.Module, got {type(model).__name__}")
+    _refuse_quantized(model, config)
     config = make(config, **options)
     dev = torch.device(device) if device is not None else model_device(model)
+    config = _keep_under(model, config, fallback.targets(model, config, _backend(config, dev, model)))
     sample = inputs.normalize(example_inputs) if example_inputs is not None else None
     return _prepare(model, config, sample, dev)
 
@@ -219,10 +221,7 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     """Quantize a copy of ``model``; see the module docstring and docs/quantization.md."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
-    done = _quantized_already(model)
-    if done:
-        raise ValueError(f"the model is quantized already ({done}): quantize the floating-point model instead "
-                         f"(tk.quantize(float_model, {scheme!r}, ...))")
+    _refuse_quantized(model, scheme)
     config = make(scheme, **options)
     data = calibrate.batches(calib_data, "calib_data")
     if config.needs_calibration and not data:
@@ -255,6 +254,13 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
         prepared = _resmoothed(prepared, data)
     calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
     return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on)
+
+
+def _refuse_quantized(model: nn.Module, scheme) -> None:
+    done = _quantized_already(model)
+    if done:
+        raise ValueError(f"the model is quantized already ({done}): quantize the floating-point model instead "
+                         f"(tk.quantize(float_model, {getattr(scheme, 'scheme', scheme)!r}, ...))")
 
 
 def _quantized_already(model: nn.Module) -> str | None:
