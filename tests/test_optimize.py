@@ -468,6 +468,9 @@ def test_modules_made_after_eval_that_ignore_training_mode_are_served():
     m[6] = _ReadsTraining()
     with pytest.raises(ValueError, match="submodule '6' is in training mode"):
         tk.optimize(m)
+    m[6] = nn.utils.parametrizations.spectral_norm(nn.Linear(64, 10))  # its power iteration runs in training
+    with pytest.raises(ValueError, match=r"submodule '6\.parametrizations\.weight\.0' is in training mode"):
+        tk.optimize(m)
 
 
 def test_already_optimized_and_intel_only_knobs_warn():

@@ -71,7 +71,8 @@ def has_conv(model: nn.Module) -> bool:
 # in. Counted as training, they made tk.optimize raise where eager ran (the thirty-third session's probes).
 _MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase, nn.RNNBase, nn.RReLU,
                    nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
-                   nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+                   nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                   nn.utils.parametrizations._SpectralNorm)  # its power iteration runs in training mode
 _TORCH_MODULES = ("torch.nn.", "torch.ao.nn.")
 
 
