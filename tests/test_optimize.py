@@ -920,3 +920,81 @@ def test_inputs_in_the_planned_half_precision_are_answered_in_it(monkeypatch, wi
         fast(x.half())
     with pytest.raises(RuntimeError, match="optimize again"):
         fast.half()
+
+
+def _shape_timings(monkeypatch, given_ms: float, seen: list):
+    """The selection: torchkiln's compiled candidate (no graphs) fastest. At a new input signature: the
+    served form 2 ms a call, the model as given ``given_ms``; each of those timings recorded in ``seen``."""
+    def fake(fns, *a, **k):
+        if set(fns) == {"served", "given"}:
+            seen.append(sorted(fns))
+            return {"served": [0.002] * 3, "given": [given_ms / 1e3] * 3}
+        winner = next((n for n in fns if n.startswith("torchkiln compiled") and "graphs" not in n), None)
+        winner = winner or next(n for n in fns if n.startswith("eager bf16-autocast"))
+        return {n: [0.001 if n == winner else 0.002] * 3 for n in fns}
+    monkeypatch.setattr(opt_mod, "interleaved", fake)
+
+
+def test_a_new_input_signature_where_the_model_as_given_is_faster_is_served_by_it(monkeypatch):
+    """The selection times candidates at the first signature; at a later one the served form can be the
+    slower (oneDNN linears packed for 64 rows: 0.79 ms at one row against eager's 0.57). Each new signature
+    verified is timed against the model as given, which then answers it if faster by more than 5%."""
+    seen = []
+    _shape_timings(monkeypatch, given_ms=1.0, seen=seen)
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x)
+    assert tk.report(fast).active == "torchkiln compiled (float32)"
+    one = torch.randn(1, 32)
+    with pytest.warns(UserWarning, match=r"go to original model \(torchkiln compiled \(float32\) was slower on them"):
+        y = fast(one)
+    with torch.no_grad():
+        assert torch.equal(y, m(one))  # the model as given answered: eager's bits
+        assert torch.equal(fast(one), m(one)) and len(seen) == 1  # and answers again, timed once
+    rep = tk.report(fast)
+    assert rep.shapes == [{"inputs": [[1, 32]], "served_ms": 2.0, "given_ms": 1.0, "serves": "original model"}]
+    assert "ran 1.000 ms a call against 2.000 ms" in rep.fallbacks[-1].reason
+    assert rep.active == "torchkiln compiled (float32)"  # other signatures stay on it
+    assert "shapes     [[1, 32]]: served 2.000 ms, as given 1.000 ms -> original model" in str(rep)
+
+
+def test_a_new_input_signature_where_the_served_form_is_faster_stays_on_it(monkeypatch):
+    seen = []
+    _shape_timings(monkeypatch, given_ms=2.05, seen=seen)  # within the 5% margin: noise, not slower
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x)
+    y = fast(torch.randn(3, 32))
+    assert len(seen) == 1 and tk.report(fast).shapes[0]["serves"] == "torchkiln compiled (float32)"
+    assert not any(f.to == "original model" for f in tk.report(fast).fallbacks)
+    fast(torch.randn(16, 32))  # the sample's signature: timed at selection, not again
+    assert len(seen) == 1 and y.shape == (3, 10)
+
+
+class _Counting(nn.Module):
+    """A forward that advances a buffer at every call: the timing runs must leave one step per call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(32, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("given_ms", [1.0, 3.0])
+def test_shape_timing_leaves_a_stateful_model_one_step_per_call(monkeypatch, given_ms):
+    with_bf16(monkeypatch)
+    seen = []
+    _shape_timings(monkeypatch, given_ms=given_ms, seen=seen)
+    m, x = _Counting().eval(), torch.randn(8, 32)
+    fast = tk.optimize(m, dtype=torch.bfloat16, sample_input=x)
+    assert tk.report(fast).active == "eager bf16-autocast" and int(m.calls) == 0
+    fast(x)
+    assert int(m.calls) == 1
+    fast(torch.randn(2, 32))  # a new signature: verified and timed (several runs), one step
+    assert len(seen) == 1 and int(m.calls) == 2
+    fast(torch.randn(2, 32))
+    assert int(m.calls) == 3
+    assert tk.report(fast).shapes[0]["serves"] == ("original model" if given_ms < 2 else "eager bf16-autocast")

@@ -69,6 +69,8 @@ OOM = "out of memory (skipped)"
 SCOPES = ("auto", "torchkiln")
 VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked against the original
 MAX_DETOURS = 8  # call forms the served candidate fails on, each sent one step down on its own; then all are
+SHAPE_BUDGET = 0.25  # s: timing the served form against the model as given at each new input signature verified
+SHAPE_MARGIN = 1.05  # ... and serving the model as given there when the served form is slower than this
 SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (timing noise on a 2-core VM is ~3%)
 # nn.Module.__call__ as imported. torch.fx's tracer replaces nn.Module.__call__ process-wide while
 # it traces, so a second thread calling the model during another thread's first-call setup
@@ -695,6 +697,9 @@ class KilnModule(OwnCalls, OriginalFace):
         if sig in self._shapes or len(self._shapes) >= VERIFIED_SHAPES:
             return self._serve(self._fn, args, kwargs)
         ref = self._reference(args, kwargs)  # raises for inputs the model itself rejects
+        slower = self._slower_than_given(args, kwargs) if ref is not None else None
+        if slower is not None:
+            return self._detour(args, kwargs, *slower, failed=False)
         try:
             out = self._for_real(self._fn, args, kwargs)
         except Exception as e:
@@ -708,6 +713,49 @@ class KilnModule(OwnCalls, OriginalFace):
                                        ref)
         self._mark_verified(args, kwargs)
         return out
+
+    def _slower_than_given(self, args, kwargs) -> tuple[str, Candidate, object] | None:
+        """At a new input signature, the served form timed against the model as given on these inputs,
+        interleaved (``SHAPE_BUDGET``): the selection timed the candidates at the first signature only,
+        and a form faster there can be slower here (an MLP whose oneDNN linears were packed for 64 rows
+        ran 0.79 ms a call at one row against eager's 0.57, on a 2-core Zen 4; RESULTS.md, thirty-third
+        session). Returns (reason, the model as given, its callable) when that is faster by more than
+        ``SHAPE_MARGIN``, else None; each measurement goes into the report's ``shapes``."""
+        served = self._served
+        given = next((c for c in self._cands if c.kind == "original"), None)
+        if given is None or served.kind == "original" or (served.kind == "eager" and served.dtype == given.dtype):
+            return None
+        dev = torch.device(self.kiln_recipe.device)
+        given_fn = given.make()
+        self._restore()
+        wrap = self._snap is not None and self._snap.changed  # a model that writes its state: put back each time
+        calls = {}
+        for name, fn, graphs in (("served", self._fn, served.cuda_graphs), ("given", given_fn, False)):
+            call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else (lambda fn=fn: fn(*args, **kwargs))
+            calls[name] = _after(self._restore, call) if wrap else call
+        errors: dict = {}
+        try:
+            with torch.no_grad():
+                for _ in range(3 if dev.type == "cuda" else 1):  # compiles for the new shapes; graph recording
+                    for call in calls.values():
+                        call()
+                times = interleaved(calls, dev, min(SHAPE_BUDGET, self._opts["time_budget"]), errors=errors)
+        except Exception as e:
+            if is_oom(e):
+                raise
+            return None  # the call below meets the failure, and steps down as usual
+        finally:
+            self._restore()
+        if errors or len(times) < 2:
+            return None
+        s, g = (round(statistics.median(times[n]) * 1e3, 4) for n in ("served", "given"))
+        slower = s > g * SHAPE_MARGIN
+        self.kiln_report.shapes.append({"inputs": _shapes_of(args, kwargs), "served_ms": s, "given_ms": g,
+                                        "serves": given.name if slower else served.name})
+        if not slower:
+            return None
+        return (f"at these input shapes the model as given ran {g:.3f} ms a call against {s:.3f} ms "
+                "(timed at their first call)", given, given_fn)
 
     def _step_down(self, args, kwargs, reason: str, ref=None, detour: bool = False):
         """Walk the measured order below the served candidate; a step is taken only if
@@ -753,14 +801,15 @@ class KilnModule(OwnCalls, OriginalFace):
             return cand, fn
         return None
 
-    def _detour(self, args, kwargs, reason: str, cand: Candidate, fn):
-        """Serve this call form with ``cand`` from now on; the served candidate stays for the rest."""
+    def _detour(self, args, kwargs, reason: str, cand: Candidate, fn, failed: bool = True):
+        """Serve this call form with ``cand`` from now on; the served candidate stays for the rest.
+        ``failed=False``: not a failure, ``cand`` is faster on it (_slower_than_given)."""
         here = self._served.name
         form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
             "this input signature"
         self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
-        warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} failed on "
-                  f"them: {reason}); other calls stay on {here}", owner=self)
+        warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} "
+                  f"{'failed' if failed else 'was slower'} on them: {reason}); other calls stay on {here}", owner=self)
         self._detours[self._signature(args, kwargs)] = (cand, fn)
         self._restore()
         return self._serve(fn, args, kwargs, cand)
@@ -1075,6 +1124,11 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
+
+
+def _shapes_of(args, kwargs) -> list:
+    """The input tensors' shapes, for the report."""
+    return [list(t.shape) for t in inputs.flatten((args, kwargs))]
 
 
 def _after(first, fn):
