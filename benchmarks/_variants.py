@@ -10,9 +10,8 @@ import torch
 from torchkiln.timing import interleaved
 
 
-def gpu_us(fn, iters: int = 20) -> float:
-    """GPU kernel time per call in us (torch.profiler's device time), after 3 warm-up calls: not
-    the host's launch time, which bounds small eager kernels such as one attention layer."""
+def gpu_kernels(fn, iters: int = 20) -> dict[str, float]:
+    """GPU time per call in us of each kernel name (torch.profiler's device time), after 3 warm-up calls."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -22,7 +21,17 @@ def gpu_us(fn, iters: int = 20) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
+    per: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.device_time / iters
+    return per
+
+
+def gpu_us(fn, iters: int = 20) -> float:
+    """GPU kernel time per call in us: not the host's launch time, which bounds small eager kernels
+    such as one attention layer."""
+    return sum(gpu_kernels(fn, iters).values())
 
 
 def synced_ms(fns: dict, rounds: int, iters: int) -> dict[str, float]:

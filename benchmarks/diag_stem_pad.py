@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from _variants import cases, check_and_time, print_table
+from _variants import cases, check_and_time, gpu_kernels, print_table
 
 from torchkiln import stock
 from torchkiln.candidates import KilnBuild
@@ -33,21 +33,8 @@ def variant(recipe, multiple: int | None):
 
 
 def top_kernels(fn, n: int = 8, iters: int = 10) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] = per.get(e.name, 0.0) + e.device_time / iters
-    total = sum(per.values())
-    print(f"    GPU {total / 1e3:.3f} ms per call; top kernels (us per call):")
+    per = gpu_kernels(fn, iters)
+    print(f"    GPU {sum(per.values()) / 1e3:.3f} ms per call; top kernels (us per call):")
     for name, us in sorted(per.items(), key=lambda kv: -kv[1])[:n]:
         print(f"    {us:9.1f}  {name[:110]}")
 
