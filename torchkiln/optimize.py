@@ -1131,8 +1131,8 @@ def _blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) -
     selection's ``interleaved`` times: the model as given at a new shape then read 1.18 ms a call in
     turns with the served form where it ran 0.66 ms in a steady stream (an MLP at one row on a 2-core
     Zen 4; RESULTS.md, thirty-third session). With blocks, the served form's calls paying the per-call
-    weight check, and the model as given none of the input moves it does not need (OnDevice), the
-    one-row case read 1.13x here, as a steady stream reads it (1.1-1.3x)."""
+    weight check, and the model as given none of the input moves it does not need (OnDevice), that
+    one-row case read 1.02-1.13x here where a steady stream read 1.3x: closer, not yet reliable."""
     per = {}
     for name, call in calls.items():
         synchronize(device)
