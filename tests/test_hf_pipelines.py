@@ -79,7 +79,7 @@ def test_padding_per_batch_compiles_once_more_not_per_length(monkeypatch):
     opt_mod = importlib.import_module("torchkiln.optimize")
     monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {  # the compiled candidate wins
         n: [0.001 if n.startswith("torchkiln compiled") else 0.002] * 3 for n in fns})
-    monkeypatch.setattr(opt_mod, "_blocks", lambda calls, *a, **k: {"served": [0.001] * 3, "given": [0.002] * 3})
+    monkeypatch.setattr(opt_mod, "blocks", lambda calls, *a, **k: {"served": [0.001] * 3, "given": [0.002] * 3})
     torch.manual_seed(0)
     bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=96, pad_token_id=0)).eval()

@@ -27,7 +27,7 @@ def compiled_wins(monkeypatch):
     monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {
         n: [0.001 if n.startswith("torchkiln compiled") and "graphs" not in n else 0.002] * 3 for n in fns})
     # and at each new input signature, the served form timed faster than the model as given
-    monkeypatch.setattr(opt_mod, "_blocks", lambda calls, *a, **k: {"served": [0.001] * 3, "given": [0.002] * 3})
+    monkeypatch.setattr(opt_mod, "blocks", lambda calls, *a, **k: {"served": [0.001] * 3, "given": [0.002] * 3})
 
 
 def with_bf16(monkeypatch):
@@ -938,7 +938,7 @@ def _shape_timings(monkeypatch, given_ms: float, seen: list):
             call()
         return {"served": [0.002] * 3, "given": [given_ms / 1e3] * 3}
     monkeypatch.setattr(opt_mod, "interleaved", selection)
-    monkeypatch.setattr(opt_mod, "_blocks", blocks)
+    monkeypatch.setattr(opt_mod, "blocks", blocks)
 
 
 def test_a_new_input_signature_where_the_model_as_given_is_faster_is_served_by_it(monkeypatch):

@@ -19,8 +19,6 @@ This is the seed of the autotuner: candidates and their measurements are data
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from torch import nn
 
 from . import inputs, stock
 from ._log import warn_once
-from .modelutil import DTYPES, PLAIN, dtype_name, has_conv, hooked, model_device, model_dtype, version
+from .modelutil import DTYPES, dtype_name, has_conv, hooked, model_device, model_dtype, version
 from .passes import registry
 from .passes.compile import compile_model
 from .passes.onednn_graph import OneDNNGraph
@@ -299,15 +297,5 @@ class OnDevice:
         self.model = model
 
     def __call__(self, *args, **kwargs):
-        dev = model_device(self.model)
-        # Inputs already there (the usual case) go straight in: moving them through the pytree cost
-        # ~50 us a call (an MLP at one row on a 2-core Zen 4: 385 against the model's own 336 us), which
-        # every call the original answers (a detour, an own call) and its timings paid.
-        if not all(map(functools.partial(_there, dev), itertools.chain(args, kwargs.values()))):
-            args, kwargs = inputs.to((args, kwargs), dev)
+        args, kwargs = inputs.to((args, kwargs), model_device(self.model))
         return self.model(*args, **kwargs)
-
-
-def _there(dev: torch.device, v) -> bool:
-    """A top-level argument that needs no move: a tensor on ``dev``, or a plain value."""
-    return v.device == dev if isinstance(v, torch.Tensor) else type(v) in PLAIN

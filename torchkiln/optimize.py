@@ -60,7 +60,7 @@ from .pristine import Pristine, per_call_state
 from .progress import ticks
 from .recipe import LEVELS, Recipe
 from .report import Fallback, Measurement, Report
-from .timing import interleaved, synchronize
+from .timing import blocks, interleaved
 from .watch import WeightWatch
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class KilnModule(OwnCalls, OriginalFace):
         in inference mode copied out of it (an inference tensor's keys differ whatever the mode);
         outputs are then ordinary tensors. Inputs changed in place by the model change the copies."""
         with torch.inference_mode(False), torch.no_grad():
-            args, kwargs = inputs.map_tensors(lambda t: t.clone() if t.is_inference() else t, (args, kwargs))
+            args, kwargs = inputs.out_of_inference((args, kwargs))
             return self.forward(*args, **kwargs)
 
     def _refresh(self, args, kwargs):
@@ -740,7 +740,7 @@ class KilnModule(OwnCalls, OriginalFace):
                 for _ in range(3 if dev.type == "cuda" else 1):  # compiles for the new shapes; graph recording
                     for call in calls.values():
                         call()
-                times = _blocks(calls, dev, min(SHAPE_BUDGET, self._opts["time_budget"]))
+                times = blocks(calls, dev, min(SHAPE_BUDGET, self._opts["time_budget"]))
         except Exception as e:
             if is_oom(e):
                 raise
@@ -1123,36 +1123,6 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
-
-
-def _blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) -> dict[str, list[float]]:
-    """Seconds per call of each function, timed as blocks of consecutive calls (about 10 ms a block),
-    blocks interleaved over ``rounds`` after one untimed block each. Not one call of each in turn, as the
-    selection's ``interleaved`` times: the model as given at a new shape then read 1.18 ms a call in
-    turns with the served form where it ran 0.66 ms in a steady stream (an MLP at one row on a 2-core
-    Zen 4; RESULTS.md, thirty-third session). With blocks, the served form's calls paying the per-call
-    weight check, and the model as given none of the input moves it does not need (OnDevice), that
-    one-row case read 1.02-1.13x here where a steady stream read 1.3x: closer, not yet reliable."""
-    per = {}
-    for name, call in calls.items():
-        synchronize(device)
-        t = time.perf_counter()
-        call()
-        synchronize(device)
-        per[name] = time.perf_counter() - t
-    n = {name: max(1, min(50, int(0.01 / max(s, 1e-6)))) for name, s in per.items()}
-    rounds = max(2, min(rounds, int(budget / max(sum(n[k] * per[k] for k in calls), 1e-6))))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds + 1):  # the first round warms each up in a block of its own, untimed
-        for name, call in calls.items():
-            synchronize(device)
-            t = time.perf_counter()
-            for _ in range(n[name]):
-                call()
-            synchronize(device)
-            if r:
-                times[name].append((time.perf_counter() - t) / n[name])
-    return times
 
 
 def _shapes_of(args, kwargs) -> list:

@@ -1,6 +1,7 @@
 """The timing loops behind every measured decision: a host-clock median for
-plan-time CPU micro-measurements, and interleaved rounds (with device
-synchronisation) for choosing among whole-model candidates."""
+plan-time CPU micro-measurements, interleaved rounds (with device
+synchronisation) for choosing among whole-model candidates, and interleaved
+blocks of calls for the served form against the model as given at a new shape."""
 
 from __future__ import annotations
 
@@ -73,4 +74,34 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, budg
             # and a 21-ms stock graph served; RESULTS.md). A candidate that is really slower has no fast call.
             best = min(statistics.median(times[n]) for n in live)
             live = [n for n in live if min(times[n]) <= prune * best]
+    return times
+
+
+def blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each function, timed as blocks of consecutive calls (about 10 ms a block),
+    blocks interleaved over ``rounds`` after one untimed block each. Not one call of each in turn, as the
+    selection's ``interleaved`` times: the model as given at a new shape then read 1.18 ms a call in
+    turns with the served form where it ran 0.66 ms in a steady stream (an MLP at one row on a 2-core
+    Zen 4; RESULTS.md, thirty-third session; KilnModule._slower_than_given). With blocks, the served form's calls paying the per-call
+    weight check, and the model as given none of the input moves it does not need (OnDevice), that
+    one-row case read 1.02-1.13x here where a steady stream read 1.3x: closer, not yet reliable."""
+    per = {}
+    for name, call in calls.items():
+        synchronize(device)
+        t = time.perf_counter()
+        call()
+        synchronize(device)
+        per[name] = time.perf_counter() - t
+    n = {name: max(1, min(50, int(0.01 / max(s, 1e-6)))) for name, s in per.items()}
+    rounds = max(2, min(rounds, int(budget / max(sum(n[k] * per[k] for k in calls), 1e-6))))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds + 1):  # the first round warms each up in a block of its own, untimed
+        for name, call in calls.items():
+            synchronize(device)
+            t = time.perf_counter()
+            for _ in range(n[name]):
+                call()
+            synchronize(device)
+            if r:
+                times[name].append((time.perf_counter() - t) / n[name])
     return times

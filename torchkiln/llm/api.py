@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import _log
 from .._log import quiet_deprecations, warn_once
+from ..inputs import out_of_inference
 from ..modelutil import copy_with, first_line, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
@@ -361,7 +362,7 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
         # are compiled under no_grad (verify, or the first generate) and dynamo guards each input's
         # dispatch keys, which inference mode changes: every step was compiled again when the two mixed.
         with torch.inference_mode(False), torch.no_grad(), _autocast_off(runner, report):
-            ids, mask = (t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t for t in (ids, mask))
+            ids, mask = out_of_inference((ids, mask))
             seq, scores, logits = run(runner, ids, mask, req, streamer)
     except Fallback as f:
         report.fallbacks.append(f"generate({f}) -> the model's own generate")

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from .. import inputs
+from ..modelutil import first_line, model_device
+from ..pristine import Pristine
 from ..progress import progress
 
 
@@ -62,9 +64,6 @@ def check_runs(model: nn.Module, batch: inputs.Args, name: str, index: int = 0) 
     traces it: a batch the model rejects (a wrong feature size) raised from inside export's fake
     tensors, "a and b must have same reduction dim, but got [s31, s81] X [64, 128]", after a page of
     logged traceback (the thirty-third session's probes)."""
-    from ..modelutil import first_line, model_device
-    from ..pristine import Pristine
-
     a, k = inputs.to(batch, model_device(model))
     snap = Pristine(model, a, k)
     try:
