@@ -310,6 +310,8 @@ class KilnModule(OwnCalls, OriginalFace):
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
                 out = inputs.clone(fn(*args, **kwargs))
+        elif not grad:  # the usual inference call: no_grad's context costs 1 of the ~10 us this wrapper adds
+            return fn(*args, **kwargs)
         else:
             with torch.no_grad():
                 out = fn(*args, **kwargs)

@@ -46,15 +46,19 @@ class OneDNNLinear(nn.Module):
         self.bias = linear.bias
         w = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), persistent=False)
+        self.packed_dtype = self.packed_weight.dtype  # read per call; a plain attribute is the cheap read
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == self.packed_weight.dtype and x.is_contiguous() and \
+        if x.dim() == 2 and x.dtype == self.packed_dtype and x.is_contiguous() and \
                 not torch.compiler.is_compiling():
             # Eager's common case without the reshapes and copies: a call cost ~12 us more than
             # nn.Linear's at one row (512x512 on a 2-core Zen 4), overhead that bounds small batches.
-            # Traced, the reshape stays: fuse_activations matches it, and without it inductor's own
-            # linear pattern asserts on the packed weight (below).
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            # The tensors come from the module's dicts: nn.Module.__getattr__ took 0.6 us a read,
+            # three reads a call (2-core Zen 4, thirty-fourth session). Traced, the reshape stays:
+            # fuse_activations matches it, and without it inductor's own linear pattern asserts on
+            # the packed weight (below).
+            return torch.ops.mkldnn._linear_pointwise(x, self._buffers["packed_weight"], self._parameters.get("bias"),
+                                                      "none", [], "")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != self.packed_weight.dtype:
