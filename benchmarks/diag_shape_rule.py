@@ -1,0 +1,77 @@
+"""Does the per-signature timing read the right answer? Its in-call verdicts against a steady stream.
+
+``KilnModule._slower_than_given`` times the served form against the model as given at each of the
+first new input signatures, inside that signature's first call, and detours to the model as given
+when the median is slower by more than ``SHAPE_MARGIN``. For an MLP (6 x Linear 512 + LayerNorm +
+GELU) optimized at 64 rows with ``graph_mode=False, candidates="torchkiln"`` (the eager passes
+serve), this repeats that in-call timing ``--repeats`` times per (dtype, rows) case, then times the
+returned model against the model as given in a steady stream (interleaved blocks of 20 calls), and
+prints the served/given ratios: the in-call medians and minimums next to the steady-stream truth.
+
+    python benchmarks/diag_shape_rule.py [--cases float32:1 bfloat16:1 bfloat16:8 float32:8] [--repeats 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+import warnings
+
+import torch
+from shape_timing import mlp
+
+import torchkiln as tk
+
+_opt = importlib.import_module("torchkiln.optimize")  # the module: torchkiln.optimize is also the function
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", nargs="+", default=["float32:1", "bfloat16:1", "bfloat16:8", "float32:8"])
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=30)
+    a = ap.parse_args()
+    warnings.simplefilter("ignore")
+    seen: list[dict] = []
+    real = _opt.blocks
+
+    def spy(calls, device, budget, rounds=5):  # what the in-call timing measured, kept for the table
+        out = real(calls, device, budget, rounds)
+        seen.append({k: (statistics.median(v), min(v)) for k, v in out.items()})
+        return out
+
+    _opt.blocks = spy
+    model = mlp()
+    print(f"margin {_opt.SHAPE_MARGIN}: served/given above it detours\n")
+    print("| dtype | rows | steady median | steady min | in-call medians | detoured | in-call minimums |")
+    print("|---|---|---|---|---|---|---|")
+    for case in a.cases:
+        name, rows = case.split(":")
+        fast = tk.optimize(model, dtype=getattr(torch, name), sample_input=torch.randn(64, 512),
+                           graph_mode=False, candidates="torchkiln")
+        x = torch.randn(int(rows), 512)
+        with torch.no_grad():
+            fast(torch.randn(64, 512))  # the selection, at the sample's shape
+            seen.clear()
+            for _ in range(a.repeats):
+                fast._slower_than_given((x,), {})  # private: the in-call timing alone, repeated
+            med = [s["served"][0] / s["given"][0] for s in seen]
+            low = [s["served"][1] / s["given"][1] for s in seen]
+            ms = {"served": [], "given": []}
+            for _ in range(a.rounds):
+                for k, f in (("served", fast), ("given", model)):
+                    t = time.perf_counter()
+                    for _ in range(20):
+                        f(x)
+                    ms[k].append((time.perf_counter() - t) / 20)
+        truth = statistics.median(ms["served"]) / statistics.median(ms["given"])
+        truth_min = min(ms["served"]) / min(ms["given"])
+        detoured = sum(r > _opt.SHAPE_MARGIN for r in med)
+        print(f"| {name} | {rows} | {truth:.2f} | {truth_min:.2f} | {' '.join(f'{r:.2f}' for r in med)} "
+              f"| {detoured}/{len(med)} | {' '.join(f'{r:.2f}' for r in low)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
