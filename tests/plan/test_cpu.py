@@ -125,6 +125,35 @@ def test_low_precision_leaves_gemm_to_inductor_no_measurement(gemm, hw):
     assert any("inductor freezing" in n for n in recipe.notes)
 
 
+@BF16_CPUS
+@pytest.mark.parametrize("answer", ["onednn", "aten"])
+def test_low_precision_without_compiling_measures_its_gemm(gemm, hw, answer):
+    """graph_mode=False (IPEX's eager mode): no freezing packs the bf16 linears, so the eager passes
+    do where oneDNN measured faster; the note says what was measured, not that inductor packs them."""
+    gemm.answer = answer
+    recipe = plan(linears(), hw, "cpu", BF16, "O1", {"graph_mode": False}, 64)
+    assert gemm.calls == [(BF16, 64, 48, 48)]
+    assert recipe.compile is False and recipe.gemm == answer
+    if answer == "onednn":
+        assert recipe.pass_config("onednn_linear").shape == (64, 48, 48)
+        assert recipe.pass_names.index("cast_dtype") < recipe.pass_names.index("onednn_linear")  # packs bf16
+    assert any(f"-> {answer}" in n for n in recipe.notes)
+    assert not any("inductor freezing" in n for n in recipe.notes)
+
+
+@pytest.mark.parametrize("knob", ["weights_prepack", "auto_kernel_selection"])
+def test_low_precision_without_compiling_keeps_the_gemm_knobs_off(gemm, knob):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_BF16, "cpu", BF16, "O1", {"graph_mode": False, knob: False}, 64)
+    assert gemm.calls == [] and "onednn_linear" not in recipe.pass_names
+
+
+def test_float32_without_compiling_measures_once(gemm):
+    gemm.answer = "onednn"
+    recipe = plan(linears(), X86_BF16, "cpu", FP32, "O1", {"graph_mode": False}, 64)
+    assert gemm.calls == [(FP32, 64, 48, 48)] and recipe.gemm == "onednn"
+
+
 def test_no_linear_no_measurement(gemm):
     gemm.answer = "onednn"
     convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).eval()

@@ -61,8 +61,16 @@ def plan(model: nn.Module, hw: Hardware, device: str, dtype: torch.dtype, level:
                         notes=(*notes, "O0: no optimisation beyond the requested dtype"))
         return _apply_knobs(recipe, knobs)
     recipe = fam.plan(model, hw, device, dtype, level, has_conv, batch, notes, rows=rows)
-    recipe = recipe.replace(dtype=_name(dtype), level=level)
-    return _apply_knobs(recipe, knobs)
+    recipe = _apply_knobs(recipe.replace(dtype=_name(dtype), level=level), knobs)
+    if fam is cpu and not recipe.compile and "onednn_linear" not in recipe.pass_names \
+            and knobs.get("weights_prepack") is not False and knobs.get("auto_kernel_selection") is not False:
+        # the linears of a recipe that will not compile are the eager passes' to pack (cpu.eager_gemm_pass)
+        why: list[str] = []
+        extra = cpu.eager_gemm_pass(model, dtype, rows or batch, why)
+        if why:
+            kept = tuple(n for n in recipe.notes if not n.startswith(cpu.FREEZING_GEMM))
+            recipe = recipe.replace(passes=(*recipe.passes, *extra), notes=(*kept, *why))
+    return recipe
 
 
 # The knobs that still mean something for a tk.quantize'd model: its recipe has no module passes to

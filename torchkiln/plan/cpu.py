@@ -15,6 +15,8 @@ from ..passes.onednn_linear import measure as onednn_measure
 from ..recipe import Recipe
 from .common import base_passes, is_hf
 
+FREEZING_GEMM = "GEMM: oneDNN via inductor freezing"  # a low-precision plan's note (plan() drops it uncompiled)
+
 # Below this many parameters a model compiles in seconds, and the C++ wrapper's own compile
 # (13-20 s on 2 cores) would dominate optimize().
 WRAPPER_MIN_PARAMS = 10_000_000
@@ -53,26 +55,42 @@ def _typical_linear(model: nn.Module) -> tuple[int, int] | None:
     return max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1])
 
 
+def gemm_pass(model: nn.Module, dtype: torch.dtype, rows: int | None, notes: list[str]) -> list:
+    """[the onednn_linear pass] where oneDNN's packed GEMM measured faster than aten's for the model's
+    typical linear at its rows (batch x sequence for text), else []; the measurement goes into notes."""
+    shape = _typical_linear(model)
+    if not shape:
+        return []
+    m = max(16, min(rows or 128, 4096))
+    gemm, rates = gemm_choice(dtype, m, *shape)
+    if rates:
+        notes.append(f"GEMM {str(dtype)[6:]} {m}x{shape[0]}x{shape[1]} measured: aten {rates['aten']} "
+                     f"vs oneDNN {rates['onednn']} GFLOP/s -> {gemm}")
+    if gemm != "onednn":
+        return []
+    return [registry.make("onednn_linear", shape=(m, *shape), aten_gflops=rates["aten"], onednn_gflops=rates["onednn"])]
+
+
+def eager_gemm_pass(model: nn.Module, dtype: torch.dtype, rows: int | None, notes: list[str]) -> list:
+    """gemm_pass for a low-precision recipe that will not compile (graph_mode=False, IPEX's eager
+    mode): no inductor freezing then packs the linears, and aten's bf16 GEMM is the slow one (512x512
+    on a 2-core Zen 4: 33 us against oneDNN's packed 20 at one row, 109 against 94 at 64 rows;
+    RESULTS.md, thirty-fourth session)."""
+    return gemm_pass(model, dtype, rows, notes) if dtype != torch.float32 else []
+
+
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
     passes, fmt = base_passes(dtype, has_conv)
     if has_conv:
         notes.append("conv net: channels_last (oneDNN's fastest conv layout)")
-    shape = _typical_linear(model)
-    gemm = "aten"
     if dtype != torch.float32:
         # inductor's freezing packs low-precision linears into oneDNN itself and fuses
         # GELU/residual post-ops into them; replacing the modules blocks that (bert-base
         # bf16 bs1, interleaved: 28.4 ms with our module vs 28.0 without; RESULTS.md).
-        notes.append(f"GEMM {str(dtype)[6:]}: oneDNN via inductor freezing (packed, post-op fusion)")
-    elif shape:
-        m = max(16, min(rows or batch or 128, 4096))  # the GEMMs' M: rows (batch x sequence for text)
-        gemm, rates = gemm_choice(dtype, m, *shape)
-        if rates:
-            notes.append(f"GEMM {str(dtype)[6:]} {m}x{shape[0]}x{shape[1]} measured: aten {rates['aten']} "
-                         f"vs oneDNN {rates['onednn']} GFLOP/s -> {gemm}")
-        if gemm == "onednn":
-            passes.append(registry.make("onednn_linear", shape=(m, *shape), aten_gflops=rates["aten"],
-                                        onednn_gflops=rates["onednn"]))
+        # Without compiling (graph_mode=False), plan() asks eager_gemm_pass instead.
+        notes.append(f"{FREEZING_GEMM} ({str(dtype)[6:]}): packed, post-op fusion")
+    else:
+        passes += gemm_pass(model, dtype, rows or batch, notes)
     options = {"freezing": True}
     if dtype != torch.float32 and sum(p.numel() for p in model.parameters()) >= WRAPPER_MIN_PARAMS:
         # Inductor's C++ wrapper calls the kernels without Python between them: bert-base bf16
