@@ -154,6 +154,18 @@ def test_float32_without_compiling_measures_once(gemm):
     assert gemm.calls == [(FP32, 64, 48, 48)] and recipe.gemm == "onednn"
 
 
+def test_gpt2s_conv1d_layers_are_the_typical_gemm(gemm):
+    """transformers' Conv1D stores (in, out): GPT-2 has no nn.Linear but its head, so its GEMM was
+    measured at the head's shape (or not at all) and its layers never routed."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
+    gemm.answer = "onednn"
+    recipe = plan(transformers.GPT2Model(cfg).eval(), X86_BF16, "cpu", FP32, "O1", {}, 1, rows=32)
+    # c_fc (64 -> 256) and mlp.c_proj (256 -> 64) weigh the most, equally; attention's are smaller
+    assert gemm.calls in ([(FP32, 32, 64, 256)], [(FP32, 32, 256, 64)])
+    assert recipe.gemm == "onednn"
+
+
 def test_no_linear_no_measurement(gemm):
     gemm.answer = "onednn"
     convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).eval()

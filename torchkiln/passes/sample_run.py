@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 
-def run_with_linear_hooks(model: nn.Module, args: tuple, kwargs: dict, record) -> None:
-    """``record(name, module, input_tensor)`` is called on each exact nn.Linear's first call."""
+def run_with_linear_hooks(model: nn.Module, args: tuple, kwargs: dict, record, select=None) -> None:
+    """``record(name, module, input_tensor)`` is called on each exact nn.Linear's first call (or each
+    module ``select`` accepts)."""
     seen: set = set()
 
     def make(name):
@@ -18,7 +19,8 @@ def run_with_linear_hooks(model: nn.Module, args: tuple, kwargs: dict, record) -
                 record(name, mod, inp[0])
         return hook
 
-    hooks = [m.register_forward_pre_hook(make(n)) for n, m in model.named_modules() if type(m) is nn.Linear]
+    select = select or (lambda m: type(m) is nn.Linear)
+    hooks = [m.register_forward_pre_hook(make(n)) for n, m in model.named_modules() if select(m)]
     try:
         with torch.no_grad():
             model(*args, **kwargs)

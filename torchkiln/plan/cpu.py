@@ -11,6 +11,7 @@ from torch import nn
 from ..hardware import Hardware
 from ..passes import onednn_graph, registry
 from ..passes.onednn_linear import available as onednn_available
+from ..passes.onednn_linear import hf_conv1d
 from ..passes.onednn_linear import measure as onednn_measure
 from ..recipe import Recipe
 from .common import base_passes, is_hf
@@ -50,6 +51,7 @@ def _gemm_choice(dtype: torch.dtype, m: int, k: int, n: int, threads: int) -> tu
 
 def _typical_linear(model: nn.Module) -> tuple[int, int] | None:
     shapes = [(m.in_features, m.out_features) for m in model.modules() if type(m) is nn.Linear]
+    shapes += [tuple(m.weight.shape) for m in model.modules() if hf_conv1d(m)]  # GPT-2's: (in, out)
     if not shapes:
         return None
     return max(set(shapes), key=lambda s: shapes.count(s) * s[0] * s[1])
