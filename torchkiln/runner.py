@@ -82,34 +82,23 @@ class Runner(nn.Module):
 
     def forward(self, *args, **kwargs):
         if not kwargs and all(type(a) is torch.Tensor for a in args) and not torch.compiler.is_compiling():
-            return self._plain(args)
-        # no next(iterator, default): dynamo traces this forward, and torch 2.6's dynamo cannot take a
-        # default there ("invalid handler args ... call_next"), so every compiled candidate failed on 2.6
-        floats = [t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()]
+            # Positional plain tensors, run eagerly (an eager-passes candidate): the same conversions
+            # without pytree's walks, which cost 18 of the 22 us this runner added to a call (an 8x8
+            # Linear at one row: 7.8 us bare, 29.4 through the walks; 2-core Zen 4, RESULTS.md,
+            # thirty-fourth session). Compiled candidates trace the walks, where they cost nothing.
+            floats = [t.dtype for t in args if t.is_floating_point()]
+            args = tuple(self._convert_in(t) for t in args)
+        else:
+            # no next(iterator, default): dynamo traces this forward, and torch 2.6's dynamo cannot take
+            # a default there ("invalid handler args ... call_next"), so every compiled candidate failed
+            floats = [t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()]
+            args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
         out_dtype = floats[0] if floats else self.own_dtype
-        args, kwargs = inputs.tree_map(self._convert_in, (args, kwargs))
         if self.router is not None:
             with self.router:
                 out = self._call(args, kwargs)
         else:
             out = self._call(args, kwargs)
-        if self.cast or self.autocast or self.upcast:
-            out = inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
-        return out
-
-    def _plain(self, args: tuple):
-        """forward for positional plain tensors, run eagerly (an eager-passes candidate): the same
-        conversions without pytree's walks, which cost 18 of the 22 us this runner added to a call
-        (an 8x8 Linear at one row: 7.8 us bare, 29.4 through forward; 2-core Zen 4, RESULTS.md,
-        thirty-fourth session). Compiled candidates trace forward, where the walks cost nothing."""
-        floats = [t.dtype for t in args if t.is_floating_point()]
-        out_dtype = floats[0] if floats else self.own_dtype
-        args = tuple(self._convert_in(t) for t in args)
-        if self.router is not None:
-            with self.router:
-                out = self._call(args, {})
-        else:
-            out = self._call(args, {})
         if not (self.cast or self.autocast or self.upcast):
             return out
         if type(out) is torch.Tensor:

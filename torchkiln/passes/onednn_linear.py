@@ -80,8 +80,8 @@ class OneDNNLinear(nn.Module):
                                                       "none", [], "")
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != self.packed_weight.dtype:
-            x2 = x2.to(self.packed_weight.dtype)
+        if x2.dtype != self.packed_dtype:
+            x2 = x2.to(self.packed_dtype)
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed_weight, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
