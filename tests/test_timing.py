@@ -54,3 +54,24 @@ def test_errors_drop_a_function_and_the_rest_are_timed():
     t = interleaved({"ok": sleeper(0.001), "bad": bad}, CPU, budget_s=0.01, errors=errors)
     assert "bad" not in t and isinstance(errors["bad"], RuntimeError)
     assert len(t["ok"]) >= 10
+
+
+def test_blocks_are_sized_by_a_warm_call_not_a_cold_first_one():
+    """A call whose first run is cold (5x its steady time) got blocks half as long as its twin's,
+    so each block's switch-in cost weighed twice as much: the model as given read 1.0x the served
+    form in its first timing where a steady stream read 1.2x (an MLP at one row, 2-core Zen 4;
+    RESULTS.md, thirty-fifth session). Both get blocks of about 10 ms now."""
+    from torchkiln.timing import blocks
+
+    seen = {"cold": 0, "warm": 0}
+
+    def call(name):
+        def run():
+            seen[name] += 1
+            time.sleep(0.005 if name == "cold" and seen[name] == 1 else 0.001)
+        return run
+    t = blocks({"warm": call("warm"), "cold": call("cold")}, CPU, budget=0.12, rounds=2)
+    per_block = {k: (seen[k] - 2) / (len(t[k]) + 1) for k in seen}  # two sizing calls, one warm-up block
+    assert len(t["cold"]) == len(t["warm"]) == 2
+    assert per_block["cold"] == per_block["warm"] >= 5
+    assert abs(sorted(t["cold"])[0] - sorted(t["warm"])[0]) < 0.0005  # and read alike

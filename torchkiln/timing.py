@@ -77,6 +77,14 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, budg
     return times
 
 
+def _one_call(call, device: torch.device) -> float:
+    synchronize(device)
+    t = time.perf_counter()
+    call()
+    synchronize(device)
+    return time.perf_counter() - t
+
+
 def blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) -> dict[str, list[float]]:
     """Seconds per call of each function, timed as blocks of consecutive calls (about 10 ms a block),
     blocks interleaved over ``rounds`` after one untimed block each. Not one call of each in turn, as the
@@ -84,14 +92,15 @@ def blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) ->
     turns with the served form where it ran 0.66 ms in a steady stream (an MLP at one row on a 2-core
     Zen 4; RESULTS.md, thirty-third session; KilnModule._slower_than_given). With blocks, the served form's calls paying the per-call
     weight check, and the model as given none of the input moves it does not need (OnDevice), that
-    one-row case read 1.02-1.13x here where a steady stream read 1.3x: closer, not yet reliable."""
+    one-row case read 1.02-1.13x here where a steady stream read 1.3x. The rest was the sizing: a block
+    holds ~10 ms of calls by a *warm* call's time; the model as given's cold first call (1.1 ms against
+    0.4) halved its blocks, so each paid its switch-in cost twice as heavily; readings of a raw 1.2x
+    slowdown went from 0.96-1.23 to 1.09-1.37 (thirty-fifth session)."""
     per = {}
     for name, call in calls.items():
-        synchronize(device)
-        t = time.perf_counter()
-        call()
-        synchronize(device)
-        per[name] = time.perf_counter() - t
+        per[name] = _one_call(call, device)
+        if per[name] < 0.01:  # a block of several: sized by a warm call (a cold first one halved it; below)
+            per[name] = min(per[name], _one_call(call, device))
     n = {name: max(1, min(50, int(0.01 / max(s, 1e-6)))) for name, s in per.items()}
     rounds = max(2, min(rounds, int(budget / max(sum(n[k] * per[k] for k in calls), 1e-6))))
     times: dict[str, list[float]] = {name: [] for name in calls}
