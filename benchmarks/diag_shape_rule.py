@@ -7,8 +7,12 @@ GELU) optimized at 64 rows with ``graph_mode=False, candidates="torchkiln"`` (th
 serve), this repeats that in-call timing ``--repeats`` times per (dtype, rows) case, then times the
 returned model against the model as given in a steady stream (interleaved blocks of 20 calls), and
 prints the served/given ratios: the in-call medians and minimums next to the steady-stream truth.
+``--fresh N`` reads as real use does instead: N fresh ``tk.optimize`` calls per case, each timed once at
+its first call of the new signature (the only reading a user's model gets), then the steady stream of
+the last one's served form against the model as given, through the wrapper and without it.
 
     python benchmarks/diag_shape_rule.py [--cases float32:1 bfloat16:1 bfloat16:8 float32:8] [--repeats 8]
+    python benchmarks/diag_shape_rule.py --fresh 8
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["float32:1", "bfloat16:1", "bfloat16:8", "float32:8"])
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--fresh", type=int, default=0, help="first readings of N fresh optimize() calls per case")
     a = ap.parse_args()
+    if a.fresh:
+        return fresh(a)
     warnings.simplefilter("ignore")
     seen: list[dict] = []
     real = _opt.blocks
@@ -71,6 +78,42 @@ def main() -> None:
         detoured = sum(r > _opt.SHAPE_MARGIN for r in med)
         print(f"| {name} | {rows} | {truth:.2f} | {truth_min:.2f} | {' '.join(f'{r:.2f}' for r in med)} "
               f"| {detoured}/{len(med)} | {' '.join(f'{r:.2f}' for r in low)} |", flush=True)
+
+
+def steady(peers: dict, x, rounds: int) -> dict[str, float]:
+    """Median seconds a call of each peer, interleaved blocks of 20 consecutive calls."""
+    ms: dict[str, list[float]] = {k: [] for k in peers}
+    for _ in range(rounds):
+        for k, f in peers.items():
+            t = time.perf_counter()
+            for _ in range(20):
+                f(x)
+            ms[k].append((time.perf_counter() - t) / 20)
+    return {k: statistics.median(v) for k, v in ms.items()}
+
+
+def fresh(a) -> None:
+    warnings.simplefilter("ignore")
+    margin, _opt.SHAPE_MARGIN = _opt.SHAPE_MARGIN, float("inf")  # read, never detour: the steady run times the form
+    model = mlp()
+    print(f"margin {margin}: a first reading above it detours\n")
+    print("| dtype | rows | first readings (served / given) | would detour | steady, served form raw | "
+          "steady, through the returned model |")
+    print("|---|---|---|---|---|---|")
+    for case in a.cases:
+        name, rows = case.split(":")
+        x = torch.randn(int(rows), 512)
+        reads = []
+        with torch.no_grad():
+            for _ in range(a.fresh):
+                fast = tk.optimize(model, dtype=getattr(torch, name), sample_input=torch.randn(64, 512),
+                                   graph_mode=False, candidates="torchkiln")
+                fast(x)
+                s = tk.report(fast).shapes[0]
+                reads.append(s["served_ms"] / s["given_ms"])
+            t = steady({"given": model, "raw": fast._fn, "returned": fast}, x, a.rounds)
+        print(f"| {name} | {rows} | {' '.join(f'{r:.2f}' for r in reads)} | {sum(r > margin for r in reads)}/"
+              f"{len(reads)} | {t['raw'] / t['given']:.2f} | {t['returned'] / t['given']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
