@@ -71,6 +71,11 @@ VERIFIED_SHAPES = 4  # verify="shapes": how many input signatures are checked ag
 MAX_DETOURS = 8  # call forms the served candidate fails on, each sent one step down on its own; then all are
 SHAPE_BUDGET = 0.25  # s: timing the served form against the model as given at each new input signature verified
 SHAPE_MARGIN = 1.05  # ... and serving the model as given there when the served form is slower than this
+# A first reading within SHAPE_CLOSE of the model as given (served/given above 1/SHAPE_CLOSE) that kept the
+# served form is taken again at that signature's SHAPE_RECHECK-th call, warm: of 28 first readings of a
+# 1.16-1.19x slowdown, 2 read 1.01-1.05 and kept it (diag_shape_rule.py --fresh; RESULTS.md, 35th session)
+SHAPE_CLOSE = 1.15
+SHAPE_RECHECK = 64
 SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (timing noise on a 2-core VM is ~3%)
 # nn.Module.__call__ as imported. torch.fx's tracer replaces nn.Module.__call__ process-wide while
 # it traces, so a second thread calling the model during another thread's first-call setup
@@ -126,6 +131,7 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
         s(self, "_grad", None)  # (callable, words): what answers calls that need autograd (_grad_run)
         s(self, "_detours", {})  # signature -> (Candidate, callable): call forms the served one failed on
+        s(self, "_recheck", {})  # signature -> its calls left before its second reading (SHAPE_RECHECK)
         # (device type, dtype optimized for), read by every call's autocast check (_under_autocast)
         s(self, "_amp", (torch.device(self.kiln_recipe.device).type, DTYPES.get(self.kiln_recipe.dtype)))
 
@@ -393,9 +399,17 @@ class KilnModule(OwnCalls, OriginalFace):
         self.kiln_report.verified_shapes = len(self._shapes) if self._tols is not None else 0
 
     def _check_shape(self, args, kwargs) -> bool:
-        if self._opts["verify"] != "shapes" or len(self._shapes) >= VERIFIED_SHAPES:
+        """A new signature to verify, or one whose second reading is due (SHAPE_RECHECK)."""
+        if self._opts["verify"] != "shapes" or (len(self._shapes) >= VERIFIED_SHAPES and not self._recheck):
             return False
-        return self._signature(args, kwargs) not in self._shapes
+        sig = self._signature(args, kwargs)
+        if sig not in self._shapes:
+            return len(self._shapes) < VERIFIED_SHAPES
+        left = self._recheck.get(sig)
+        if left is None:
+            return False
+        self._recheck[sig] = left - 1  # unlocked: a lost count between threads only moves the reading a call
+        return left <= 1
 
     # ------------------------------------------------------------- selection
     def _setup(self, args, kwargs):
@@ -637,6 +651,7 @@ class KilnModule(OwnCalls, OriginalFace):
         object.__setattr__(self, "_served", cand)
         object.__setattr__(self, "_fn", fn)
         object.__setattr__(self, "_choice", name)
+        self._recheck.clear()  # its readings were of the form served before
         report.active = name
         report.dtype_served = cand.dtype
         report.applied = applied_for(cand)
@@ -696,6 +711,10 @@ class KilnModule(OwnCalls, OriginalFace):
     # ----------------------------------------------------- later: verify / step down
     def _verify_shape(self, args, kwargs):
         sig = self._signature(args, kwargs)
+        if sig in self._shapes and self._recheck.pop(sig, None) is not None:
+            slower = self._slower_than_given(args, kwargs, again=True)
+            if slower is not None:
+                return self._detour(args, kwargs, *slower, failed=False)
         if sig in self._shapes or len(self._shapes) >= VERIFIED_SHAPES:
             return self._serve(self._fn, args, kwargs)
         ref = self._reference(args, kwargs)  # raises for inputs the model itself rejects
@@ -716,13 +735,15 @@ class KilnModule(OwnCalls, OriginalFace):
         self._mark_verified(args, kwargs)
         return out
 
-    def _slower_than_given(self, args, kwargs) -> tuple[str, Candidate, object] | None:
+    def _slower_than_given(self, args, kwargs, again: bool = False) -> tuple[str, Candidate, object] | None:
         """At a new input signature, the served form timed against the model as given on these inputs,
         interleaved (``SHAPE_BUDGET``): the selection timed the candidates at the first signature only,
         and a form faster there can be slower here (an MLP whose oneDNN linears were packed for 64 rows
         ran 0.79 ms a call at one row against eager's 0.57, on a 2-core Zen 4; RESULTS.md, thirty-third
         session). Returns (reason, the model as given, its callable) when that is faster by more than
-        ``SHAPE_MARGIN``, else None; each measurement goes into the report's ``shapes``."""
+        ``SHAPE_MARGIN``, else None; each measurement goes into the report's ``shapes``. A close first
+        reading that kept the served form is taken again (``again``) at the signature's ``SHAPE_RECHECK``-th
+        call, warm."""
         served = self._served
         given = next((c for c in self._cands if c.kind == "original"), None)
         if given is None or served.kind == "original" or (served.kind == "eager" and served.dtype == given.dtype):
@@ -751,12 +772,18 @@ class KilnModule(OwnCalls, OriginalFace):
             self._restore()
         s, g = (round(statistics.median(times[n]) * 1e3, 4) for n in ("served", "given"))
         slower = s > g * SHAPE_MARGIN
-        self.kiln_report.shapes.append({"inputs": _shapes_of(args, kwargs), "served_ms": s, "given_ms": g,
-                                        "serves": given.name if slower else served.name})
+        entry = {"inputs": _shapes_of(args, kwargs), "served_ms": s, "given_ms": g,
+                 "serves": given.name if slower else served.name}
+        if again:
+            entry["after_calls"] = SHAPE_RECHECK
+        elif not slower and s * SHAPE_CLOSE > g:
+            self._recheck[self._signature(args, kwargs)] = SHAPE_RECHECK
+        self.kiln_report.shapes.append(entry)
         if not slower:
             return None
+        when = f"after {SHAPE_RECHECK} calls of them" if again else "at their first call"
         return (f"at these input shapes the model as given ran {g:.3f} ms a call against {s:.3f} ms "
-                "(timed at their first call)", given, given_fn)
+                f"(timed {when})", given, given_fn)
 
     def _step_down(self, args, kwargs, reason: str, ref=None, detour: bool = False):
         """Walk the measured order below the served candidate; a step is taken only if

@@ -46,7 +46,8 @@ class Report:
     dtype_served: str | None = None
     quantization: dict | None = None  # tk.quantize's accuracy report (SQNR vs fp32), for a quantized model
     # New input signatures verified after the first: the served form against the model as given there
-    # ({"inputs": shapes, "served_ms", "given_ms", "serves": which answers that signature})
+    # ({"inputs": shapes, "served_ms", "given_ms", "serves": which answers that signature}; a second,
+    # warm reading of a close one adds "after_calls")
     shapes: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -75,8 +76,9 @@ class Report:
             lines.append(f"  error      worst of {n} outputs: rel {e['rel']:.3g} (tolerance {self.tolerance:.3g}), "
                          f"max abs {e['max_abs']:.3g}{agree}; {self.verified_shapes} input shape(s) verified")
         for sh in self.shapes:
-            lines.append(f"  shapes     {sh['inputs']}: served {sh['served_ms']:.3f} ms, as given {sh['given_ms']:.3f} ms"
-                         f" -> {sh['serves']}")
+            when = f" after {sh['after_calls']} calls" if "after_calls" in sh else ""
+            lines.append(f"  shapes     {sh['inputs']}{when}: served {sh['served_ms']:.3f} ms, as given "
+                         f"{sh['given_ms']:.3f} ms -> {sh['serves']}")
         t = [f"optimize {self.optimize_seconds:.2f} s" if self.optimize_seconds is not None else None,
              f"first call {self.first_call_seconds:.2f} s" if self.first_call_seconds is not None else None,
              f"of which timing {self.selection_seconds:.2f} s" if self.selection_seconds is not None else None]

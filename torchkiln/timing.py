@@ -86,26 +86,36 @@ def _one_call(call, device: torch.device) -> float:
 
 
 def blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5) -> dict[str, list[float]]:
-    """Seconds per call of each function, timed as blocks of consecutive calls (about 10 ms a block),
-    blocks interleaved over ``rounds`` after one untimed block each. Not one call of each in turn, as the
-    selection's ``interleaved`` times: the model as given at a new shape then read 1.18 ms a call in
-    turns with the served form where it ran 0.66 ms in a steady stream (an MLP at one row on a 2-core
-    Zen 4; RESULTS.md, thirty-third session; KilnModule._slower_than_given). With blocks, the served form's calls paying the per-call
-    weight check, and the model as given none of the input moves it does not need (OnDevice), that
-    one-row case read 1.02-1.13x here where a steady stream read 1.3x. The rest was the sizing: a block
-    holds ~10 ms of calls by a *warm* call's time; the model as given's cold first call (1.1 ms against
-    0.4) halved its blocks, so each paid its switch-in cost twice as heavily; readings of a raw 1.2x
-    slowdown went from 0.96-1.23 to 1.09-1.37 (thirty-fifth session)."""
+    """Seconds per call of each function, timed in blocks of consecutive calls (about 10 ms a block),
+    blocks interleaved over ``rounds`` after one untimed block each; on the CPU each call of a block is
+    a sample of its own (elsewhere, each block's mean: the calls queue).
+
+    Why so (an MLP at one row on a 2-core Zen 4, whose steady streams ran 0.36 ms a call as given and
+    0.49 served; RESULTS.md, thirty-third and thirty-fifth sessions; KilnModule._slower_than_given):
+    - Not one call of each in turn, as the selection's ``interleaved`` times: every call then paid a
+      switch from the other form (the model as given read 1.18 ms a call where it ran 0.66 in a stream).
+    - A block's first calls still pay that switch, 0.5-1.2 ms over the steady time (the first call 2-3x,
+      the next 1.3-1.9x), the model as given more than the served form. Block means carried it, and read
+      a 1.33x slowdown as 0.96-1.23x; the median of single calls leaves those few out.
+    - Blocks are sized by a warm call: the model as given's cold first call (1.1 ms) halved its blocks.
+      A block's calls beyond its switch are the samples that count."""
     per = {}
     for name, call in calls.items():
         per[name] = _one_call(call, device)
-        if per[name] < 0.01:  # a block of several: sized by a warm call (a cold first one halved it; below)
-            per[name] = min(per[name], _one_call(call, device))
+        for _ in range(2):  # a block of several: sized by a warm call (the third, if the first two were slow)
+            if per[name] < 0.01:
+                per[name] = min(per[name], _one_call(call, device))
     n = {name: max(1, min(50, int(0.01 / max(s, 1e-6)))) for name, s in per.items()}
     rounds = max(2, min(rounds, int(budget / max(sum(n[k] * per[k] for k in calls), 1e-6))))
+    each = device.type == "cpu"
     times: dict[str, list[float]] = {name: [] for name in calls}
     for r in range(rounds + 1):  # the first round warms each up in a block of its own, untimed
         for name, call in calls.items():
+            if each:
+                got = [_one_call(call, device) for _ in range(n[name])]
+                if r:
+                    times[name] += got
+                continue
             synchronize(device)
             t = time.perf_counter()
             for _ in range(n[name]):
