@@ -182,7 +182,7 @@ class KilnModule(OwnCalls, OriginalFace):
         if torch.is_inference_mode_enabled():  # 0.1 us
             return self._out_of_inference_mode(args, kwargs)
         fn = self._fn
-        new_shape = fn is not None and self._check_shape(args, kwargs)
+        new_shape, sig = self._check_shape(args, kwargs) if fn is not None else (False, None)
         # A CUDA-graph replay is checked for changed weights after it is queued, while the GPU runs it:
         # checked before, the 13-61 us of version reads were added to every call (H200 host, RESULTS.md,
         # fourteenth session). An answer computed from old weights is then dropped and recomputed.
@@ -191,9 +191,10 @@ class KilnModule(OwnCalls, OriginalFace):
             out = self._refresh(args, kwargs)
             if out is not _RACED:
                 return out
-            fn, new_shape = self._fn, self._check_shape(args, kwargs)
+            fn = self._fn
+            new_shape, sig = self._check_shape(args, kwargs)
         if self._detours:
-            detour = self._detours.get(self._signature(args, kwargs))
+            detour = self._detours.get(sig or self._signature(args, kwargs))
             if detour is not None:
                 if not detour[0].live_weights and self._stale():
                     return self._refreshed(args, kwargs)
@@ -398,18 +399,19 @@ class KilnModule(OwnCalls, OriginalFace):
         self._shapes.add(self._signature(args, kwargs))
         self.kiln_report.verified_shapes = len(self._shapes) if self._tols is not None else 0
 
-    def _check_shape(self, args, kwargs) -> bool:
-        """A new signature to verify, or one whose second reading is due (SHAPE_RECHECK)."""
+    def _check_shape(self, args, kwargs) -> tuple[bool, tuple | None]:
+        """(a new signature to verify, or one whose second reading is due (SHAPE_RECHECK); the call's
+        signature where it was needed for that, else None: the detour lookup reuses it)."""
         if self._opts["verify"] != "shapes" or (len(self._shapes) >= VERIFIED_SHAPES and not self._recheck):
-            return False
+            return False, None
         sig = self._signature(args, kwargs)
         if sig not in self._shapes:
-            return len(self._shapes) < VERIFIED_SHAPES
+            return len(self._shapes) < VERIFIED_SHAPES, sig
         left = self._recheck.get(sig)
         if left is None:
-            return False
+            return False, sig
         self._recheck[sig] = left - 1  # unlocked: a lost count between threads only moves the reading a call
-        return left <= 1
+        return left <= 1, sig
 
     # ------------------------------------------------------------- selection
     def _setup(self, args, kwargs):
