@@ -1021,6 +1021,42 @@ def test_a_clear_first_reading_is_not_taken_again_and_a_close_one_once(monkeypat
     assert [s["serves"] for s in tk.report(fast).shapes] == ["torchkiln compiled (float32)"] * readings
 
 
+def test_a_served_form_close_to_the_model_as_given_at_the_sample_is_timed_again_there(monkeypatch):
+    """The selection (one call of each in turn) misreads sub-millisecond calls: an MLP at one row read
+    0.46-0.94x the model as given where steady streams read 1.09x. A winner within SHAPE_CLOSE of the
+    model as given is timed again in blocks at the sample signature's SHAPE_RECHECK-th call."""
+    monkeypatch.setattr(opt_mod, "SHAPE_RECHECK", 4)
+    seen = []
+    _shape_timings(monkeypatch, given_ms=[1.0], seen=seen)  # the blocks reading: served 2.0, as given 1.0
+
+    def selection(fns, *a, **k):  # torchkiln's compiled form 1.0 ms, the model as given ("eager") 1.1
+        return {n: [0.001 if n.startswith("torchkiln compiled") and "graphs" not in n else
+                    0.0011 if n == "eager" else 0.003] * 3 for n in fns}
+    monkeypatch.setattr(opt_mod, "interleaved", selection)
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x)
+    assert tk.report(fast).active == "torchkiln compiled (float32)"
+    for _ in range(3):  # the sample's call in optimize() was the first reading's
+        fast(x)
+    assert seen == []
+    with pytest.warns(UserWarning, match=r"go to original model .*timed after 4 calls of them"):
+        y = fast(x)
+    with torch.no_grad():
+        assert torch.equal(y, m(x)) and torch.equal(fast(x), m(x))
+    assert [s["inputs"] for s in tk.report(fast).shapes] == [[[16, 32]]]
+
+
+def test_a_served_form_clearly_faster_at_the_sample_is_not_timed_again(monkeypatch):
+    monkeypatch.setattr(opt_mod, "SHAPE_RECHECK", 2)
+    seen = []
+    _shape_timings(monkeypatch, given_ms=[1.0], seen=seen)  # selection: the winner 1 ms, the rest 2
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x)
+    for _ in range(6):
+        fast(x)
+    assert seen == [] and tk.report(fast).shapes == []
+
+
 class _Counting(nn.Module):
     """A forward that advances a buffer at every call: the timing runs must leave one step per call."""
 

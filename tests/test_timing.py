@@ -95,3 +95,43 @@ def test_the_slow_first_calls_of_each_block_do_not_move_the_reading():
     t = blocks({"served": form("served", 0.0013, 1.5), "given": form("given", 0.001, 4.0)}, CPU, budget=0.4)
     ratio = statistics.median(t["served"]) / statistics.median(t["given"])
     assert 1.2 < ratio < 1.45  # 1.3 in a steady stream; block means read ~0.98
+
+
+def _switching(steady: dict, switch: dict):
+    """Functions whose first two calls after another one's run ``switch`` x their steady time."""
+    state = {"last": None, "since": 0}
+
+    def form(name):
+        def run():
+            state["since"] = state["since"] + 1 if state["last"] == name else 0
+            state["last"] = name
+            time.sleep(steady[name] * (switch[name] if state["since"] < 2 else 1))
+        return run
+    return {n: form(n) for n in steady}
+
+
+def test_streams_time_short_calls_in_blocks_where_turns_misread_them():
+    """One call of each in turn pays every switch: a 1.3x slowdown read below 1. With ``streams`` the
+    short calls are timed in blocks and read right; a failing function is still dropped and named."""
+    steady, switch = {"served": 0.0013, "given": 0.001}, {"served": 1.5, "given": 4.0}
+    turns = interleaved(_switching(steady, switch), CPU, budget_s=0.2)
+    assert statistics.median(turns["served"]) / statistics.median(turns["given"]) < 1.0
+    got = interleaved(_switching(steady, switch), CPU, budget_s=0.4, streams=True)
+    assert 1.2 < statistics.median(got["served"]) / statistics.median(got["given"]) < 1.45
+
+    def broken():
+        raise RuntimeError("no kernel")
+    errors = {}
+    fns = {**_switching(steady, switch), "broken": broken}
+    got = interleaved(fns, CPU, budget_s=0.2, streams=True, errors=errors)
+    assert set(got) == {"served", "given"} and "no kernel" in str(errors["broken"])
+
+
+def test_streams_leave_long_calls_to_the_rounds():
+    calls = {"a": 0}
+
+    def long_call():
+        calls["a"] += 1
+        time.sleep(0.006)  # above SHORT_CALL: one call per round
+    t = interleaved({"a": long_call, "b": sleeper(0.0061)}, CPU, budget_s=0.03, min_rounds=3, streams=True)
+    assert len(t["a"]) == calls["a"] - 1 and 3 <= len(t["a"]) <= 10  # the probe call, then one a round

@@ -126,6 +126,10 @@ class _Call:
         self.cudnn_benchmark = cudnn_benchmark and device.type == "cuda"
 
     def __call__(self, *args, **kwargs):
+        if self.recipe.how == "none" and not self.recipe.cuda_graphs and not self.cudnn_benchmark:
+            # Nothing to put around it: the pytree walk and context stack below cost ~15 us a call, 4% of
+            # an MLP's 0.36 ms at one row served as given (2-core Zen 4, thirty-fifth session).
+            return self.fn(*args, **kwargs)
         out_dtype = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), self.own_dtype)
         if self.recipe.how == "cast":
             args, kwargs = inputs.to((args, kwargs), dtype=self.dtype)
