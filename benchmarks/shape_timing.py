@@ -10,6 +10,7 @@ a copy of that one whose later signatures are neither verified nor timed (``veri
 the copy: what torchkiln did before the per-signature timing; the same selected form).
 
     python benchmarks/shape_timing.py [--dtype float32] [--sample 64] [--batches 1 8 64 512] [--rounds 15]
+                                      [--iters N | --block-ms 60]
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512])
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=0,
+                    help="calls per block; 0 (default): as many as fill --block-ms of the model as given")
+    ap.add_argument("--block-ms", type=float, default=60.0)
     a = ap.parse_args()
     warnings.simplefilter("ignore")
     model = mlp()
@@ -62,17 +65,23 @@ def main() -> None:
             for f in peers.values():  # first calls: compiles, verification and the signature's timing
                 f(x)
                 f(x)
+            # Long blocks: the first calls after another peer's pay a switch (0.5-1.2 ms at one row on a
+            # 2-core Zen 4; timing.blocks), which 20-call blocks of a 0.4-ms model carried (RESULTS.md,
+            # thirty-fifth session).
+            t = time.perf_counter()
+            model(x)
+            iters = a.iters or max(5, int(a.block_ms / 1e3 / max(time.perf_counter() - t, 1e-6)))
             ms = {n: [] for n in peers}
             for _ in range(a.rounds):
                 for n, f in peers.items():
                     t = time.perf_counter()
-                    for _ in range(a.iters):
+                    for _ in range(iters):
                         f(x)
-                    ms[n].append((time.perf_counter() - t) / a.iters * 1e3)
+                    ms[n].append((time.perf_counter() - t) / iters * 1e3)
             rows.append((b, {n: statistics.median(v) for n, v in ms.items()},
                          [_serves(peers[n], b) for n in ("torchkiln", "torchkiln graph_mode=False")]))
     print(f"\nMLP 6x512 {a.dtype}, sample {a.sample} rows; median ms per call over {a.rounds} interleaved rounds "
-          f"of {a.iters} calls; x = eager's time over the peer's\n")
+          f"of {a.iters or f'~{a.block_ms:.0f} ms of'} calls; x = eager's time over the peer's\n")
     print("| rows | eager (as given) | torchkiln | x | serves | graph_mode=False | x | serves "
           "| the same, first signature only | x |")
     print("|---|---|---|---|---|---|---|---|---|---|")
