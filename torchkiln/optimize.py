@@ -73,7 +73,8 @@ SHAPE_BUDGET = 0.25  # s: timing the served form against the model as given at e
 SHAPE_MARGIN = 1.05  # ... and serving the model as given there when the served form is slower than this
 # A first reading within SHAPE_CLOSE of the model as given (served/given above 1/SHAPE_CLOSE) that kept the
 # served form is taken again at that signature's SHAPE_RECHECK-th call, warm: of 28 first readings of a
-# 1.16-1.19x slowdown, 2 read 1.01-1.05 and kept it (diag_shape_rule.py --fresh; RESULTS.md, 35th session)
+# 1.16-1.19x slowdown (blocks sized by a warm call, block means), 2 read 1.01-1.05 and kept it
+# (diag_shape_rule.py --fresh; RESULTS.md, thirty-fifth session)
 SHAPE_CLOSE = 1.15
 SHAPE_RECHECK = 64
 SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (timing noise on a 2-core VM is ~3%)
@@ -755,7 +756,7 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def _slower_than_given(self, args, kwargs, again: bool = False) -> tuple[str, Candidate, object] | None:
         """At a new input signature, the served form timed against the model as given on these inputs,
-        interleaved (``SHAPE_BUDGET``): the selection timed the candidates at the first signature only,
+        in interleaved blocks (``timing.blocks``, ``SHAPE_BUDGET``): the selection timed the candidates at the first signature only,
         and a form faster there can be slower here (an MLP whose oneDNN linears were packed for 64 rows
         ran 0.79 ms a call at one row against eager's 0.57, on a 2-core Zen 4; RESULTS.md, thirty-third
         session). Returns (reason, the model as given, its callable) when that is faster by more than
