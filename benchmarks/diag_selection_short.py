@@ -17,8 +17,7 @@ import argparse
 import warnings
 
 import torch
-from diag_shape_rule import steady
-from shape_timing import mlp
+from shape_timing import mlp, steady
 
 import torchkiln as tk
 

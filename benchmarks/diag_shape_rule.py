@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import statistics
-import time
 import warnings
 
 import torch
-from shape_timing import mlp
+from shape_timing import mlp, steady, streams
 
 import torchkiln as tk
 
@@ -66,31 +65,12 @@ def main() -> None:
                 fast._slower_than_given((x,), {})  # private: the in-call timing alone, repeated
             med = [s["served"][0] / s["given"][0] for s in seen]
             low = [s["served"][1] / s["given"][1] for s in seen]
-            ms = {"served": [], "given": []}
-            for _ in range(a.rounds):
-                for k, f in (("served", fast), ("given", model)):
-                    t = time.perf_counter()
-                    for _ in range(20):
-                        f(x)
-                    ms[k].append((time.perf_counter() - t) / 20)
+            ms = streams({"served": fast, "given": model}, x, a.rounds, 20)
         truth = statistics.median(ms["served"]) / statistics.median(ms["given"])
         truth_min = min(ms["served"]) / min(ms["given"])
         detoured = sum(r > _opt.SHAPE_MARGIN for r in med)
         print(f"| {name} | {rows} | {truth:.2f} | {truth_min:.2f} | {' '.join(f'{r:.2f}' for r in med)} "
               f"| {detoured}/{len(med)} | {' '.join(f'{r:.2f}' for r in low)} |", flush=True)
-
-
-def steady(peers: dict, x, rounds: int, calls: int = 200) -> dict[str, float]:
-    """Median seconds a call of each peer, interleaved blocks of ``calls`` consecutive calls: long, so the
-    switch from one form to the other (0.5-1.2 ms at one row here; timing.blocks) is ~1% of a block."""
-    ms: dict[str, list[float]] = {k: [] for k in peers}
-    for _ in range(rounds):
-        for k, f in peers.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                f(x)
-            ms[k].append((time.perf_counter() - t) / calls)
-    return {k: statistics.median(v) for k, v in ms.items()}
 
 
 def fresh(a) -> None:

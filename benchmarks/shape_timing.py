@@ -68,17 +68,9 @@ def main() -> None:
             # Long blocks: the first calls after another peer's pay a switch (0.5-1.2 ms at one row on a
             # 2-core Zen 4; timing.blocks), which 20-call blocks of a 0.4-ms model carried (RESULTS.md,
             # thirty-fifth session).
-            t = time.perf_counter()
-            model(x)
-            iters = a.iters or max(5, int(a.block_ms / 1e3 / max(time.perf_counter() - t, 1e-6)))
-            ms = {n: [] for n in peers}
-            for _ in range(a.rounds):
-                for n, f in peers.items():
-                    t = time.perf_counter()
-                    for _ in range(iters):
-                        f(x)
-                    ms[n].append((time.perf_counter() - t) / iters * 1e3)
-            rows.append((b, {n: statistics.median(v) for n, v in ms.items()},
+            iters = a.iters or max(5, int(a.block_ms / 1e3 / min(_one_call(model, x) for _ in range(3))))
+            med = steady(peers, x, a.rounds, iters)
+            rows.append((b, {n: v * 1e3 for n, v in med.items()},
                          [_serves(peers[n], b) for n in ("torchkiln", "torchkiln graph_mode=False")]))
     print(f"\nMLP 6x512 {a.dtype}, sample {a.sample} rows; median ms per call over {a.rounds} interleaved rounds "
           f"of {a.iters or f'~{a.block_ms:.0f} ms of'} calls; x = eager's time over the peer's\n")
@@ -91,6 +83,31 @@ def main() -> None:
         print(f"| {b} | {e:.3f} | {k:.3f} | {e / k:.2f}x | {s1} | {p:.3f} | {e / p:.2f}x | {s2} | {t:.3f} | {e / t:.2f}x |")
     for n in ("torchkiln", "torchkiln graph_mode=False"):
         print(f"\n{n}:\n{tk.report(peers[n])}")
+
+
+def streams(peers: dict, x, rounds: int, calls: int) -> dict[str, list[float]]:
+    """Seconds a call of each peer, one sample per block of ``calls`` consecutive calls, the blocks
+    interleaved over ``rounds``."""
+    ms: dict[str, list[float]] = {k: [] for k in peers}
+    for _ in range(rounds):
+        for k, f in peers.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                f(x)
+            ms[k].append((time.perf_counter() - t) / calls)
+    return ms
+
+
+def steady(peers: dict, x, rounds: int, calls: int = 200) -> dict[str, float]:
+    """Median seconds a call of each peer (``streams``); long blocks by default, so the switch from one
+    form to the other (0.5-1.2 ms at one row on a 2-core Zen 4; timing.blocks) is ~1% of a block."""
+    return {k: statistics.median(v) for k, v in streams(peers, x, rounds, calls).items()}
+
+
+def _one_call(f, x) -> float:
+    t = time.perf_counter()
+    f(x)
+    return time.perf_counter() - t
 
 
 def _serves(fast, rows: int) -> str:

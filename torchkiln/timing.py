@@ -130,7 +130,7 @@ def blocks(calls: dict, device: torch.device, budget: float, rounds: int = 5,
     for name, call in calls.items():
         per[name] = _one_call(call, device)
         for _ in range(2):  # a block of several: sized by a warm call (the third, if the first two were slow)
-            if per[name] < 0.01:
+            if per[name] < block_s:
                 per[name] = min(per[name], _one_call(call, device))
     n = {name: max(1, min(50, int(block_s / max(s, 1e-6)))) for name, s in per.items()}
     rounds = max(2, min(rounds, int(budget / max(sum(n[k] * per[k] for k in calls), 1e-6))))
