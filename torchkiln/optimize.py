@@ -86,6 +86,14 @@ SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (
 _MODULE_CALL = getattr(nn.Module, "_wrapped_call_impl", nn.Module.__call__)  # what __call__ is, unpatched
 
 
+def _arg_signature(v):
+    """One input's part of a call signature; plain values by value (output_hidden_states=True is
+    another call form than False)."""
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.dtype)
+    return (type(v).__name__, v) if type(v) in PLAIN else type(v).__name__
+
+
 class KilnModule(OwnCalls, OriginalFace):
     """An optimized model that behaves like the original: calls, parameters,
     buffers, modules, ``state_dict`` both ways, attribute access, no-op moves.
@@ -389,12 +397,16 @@ class KilnModule(OwnCalls, OriginalFace):
             object.__setattr__(self, "_cands", keeping_state(self._cands, names, self.kiln_original,
                                                              self.kiln_report.fallbacks))
 
-    def _signature(self, args, kwargs) -> tuple:
-        def sig(v):  # plain values by value: output_hidden_states=True is another call form than False
-            if isinstance(v, torch.Tensor):
-                return (tuple(v.shape), v.dtype)
-            return (type(v).__name__, v) if type(v) in PLAIN else type(v).__name__
-        return tuple(sig(a) for a in args) + tuple((k, sig(v)) for k, v in kwargs.items())
+    @staticmethod
+    def _signature(args, kwargs) -> tuple:
+        # Computed at every call until VERIFIED_SHAPES signatures are seen: the one-tensor call skips the
+        # generic walk (2.2 of the wrapper's 6 us a call on an 8x8 Linear, 2-core Zen 4, thirty-sixth
+        # session; torch.Size hashes and compares as the tuple it is).
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            return ((args[0].shape, args[0].dtype),)
+        if kwargs:
+            return tuple([_arg_signature(a) for a in args]) + tuple([(k, _arg_signature(v)) for k, v in kwargs.items()])
+        return tuple([_arg_signature(a) for a in args])
 
     def _mark_verified(self, args, kwargs) -> None:
         self._shapes.add(self._signature(args, kwargs))
