@@ -83,6 +83,28 @@ def test_measured_speedups_match_known_sleeps_and_follow_served_dtype(monkeypatc
         assert 0.2 < r.vs_best_peer() < 0.9  # 4 ms / 8 ms
 
 
+def test_each_rounds_warm_up_lasts_warm_s_for_short_calls_and_one_call_for_long_ones():
+    """A sub-ms model's first calls after another peer ran are slow (the switch between forms): its
+    warm-up runs until warm_s has passed; a long call warms with the one call asked for."""
+    def counter(seconds):
+        calls = []
+
+        def fn():
+            calls.append(time.perf_counter())
+            time.sleep(seconds)
+        return fn, calls
+    short, short_calls = counter(0.001)
+    long, long_calls = counter(0.03)
+    cpu = torch.device("cpu")
+    assert len(bench_mod._time(short, (), {}, cpu, warmup=1, iters=2, warm_s=0.02)) == 2
+    assert len(short_calls) >= 2 + 5  # >= 20 ms of 1-ms sleeps (each overshoots at most to ~3 ms) before the two
+    assert short_calls[-2] - short_calls[0] >= 0.02
+    assert len(bench_mod._time(long, (), {}, cpu, warmup=1, iters=2, warm_s=0.02)) == 2 and len(long_calls) == 3
+    fn, plain = counter(0.001)
+    bench_mod._time(fn, (), {}, cpu, warmup=1, iters=2)  # warm_s 0: the warm-up count alone, as before
+    assert len(plain) == 3
+
+
 def _row(name, ms, dtype):
     return Row(name=name, median_ms=ms, p90_ms=ms, p99_ms=ms, throughput=1e3 / ms, peak_mem_mb=None, setup_s=0.0,
                rel_err=0.0, dtype=dtype)

@@ -173,9 +173,22 @@ def gemm_peak(dtype: torch.dtype, device: torch.device, n: int | None = None, it
     return round(best, 1)
 
 
-def _time(fn: Callable, args, kwargs, device, warmup: int, iters: int, tick=None) -> list[float]:
-    for _ in range(warmup):
+# Each round's warm-up runs at least this long. After another peer ran, the first two calls of a
+# sub-millisecond model ran 2-3x and 1.3-1.9x its steady time on the 2-core Zen 4 (thirty-fifth session,
+# RESULTS.md: the switch between forms), so one warm-up call left one slow call in each block of a
+# 0.35-ms MLP's rounds; 20-200 ms models still warm with one call.
+WARM_S = 0.02
+
+
+def _time(fn: Callable, args, kwargs, device, warmup: int, iters: int, tick=None, warm_s: float = 0.0) -> list[float]:
+    """``iters`` timed calls after ``warmup`` calls, or more warm-up calls until ``warm_s`` has passed."""
+    t0 = time.perf_counter()
+    done = 0
+    while done < warmup or (done and time.perf_counter() - t0 < warm_s):
         fn(*args, **kwargs)
+        done += 1
+        if warm_s:
+            synchronize(device)
     synchronize(device)
     times = []
     for _ in range(iters):
@@ -303,7 +316,7 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
         with torch.no_grad():
             for n in per_round:
                 for fn, *_, times in built.values():
-                    times += _time(fn, *sample, dev, warmup=1, iters=n)
+                    times += _time(fn, *sample, dev, warmup=1, iters=n, warm_s=WARM_S)
                     if prog:
                         prog.advance(task)
     for peer, (_fn, setup, mem, err, dtype_row, note, times) in built.items():
