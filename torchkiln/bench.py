@@ -247,7 +247,8 @@ def bench(model: nn.Module, sample_input, dtype=None, device=None, level: str = 
     """Time torchkiln against stock peers on ``sample_input``. Inference (no_grad).
 
     Every peer is built first; then ``iters`` timed calls per peer are spread over
-    ``rounds`` interleaved rounds (each after one warm-up call). ``autotune_peers``
+    ``rounds`` interleaved rounds (each after warm-up calls lasting at least
+    ``WARM_S``, one call for slower models). ``autotune_peers``
     adds torch.compile ``max-autotune-no-cudagraphs`` peers (CUDA; slow to build)."""
     _log.configure()
     compute = parse_dtype(dtype)
