@@ -51,9 +51,10 @@ def test_feature_extraction_pipeline_matches(tok):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()  # float32: the guard's bound
 
 
-def test_inputs_made_under_inference_mode(tok):
+def test_inputs_made_under_inference_mode(tok, monkeypatch):
     """Tokenizing inside torch.inference_mode() gives inference tensors, which have no version counter:
     reading it (the selection's snapshot, the all-ones mask check) raised on the first call."""
+    _compiled_wins(monkeypatch)  # (the compiled form lost the timing to eager passes on a loaded machine)
     torch.manual_seed(0)
     bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                     intermediate_size=96, pad_token_id=0)).eval()
@@ -118,3 +119,67 @@ def test_config_changed_through_the_returned_model(tok):
     assert got is not None and len(got) == len(want) == 3
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def _segformer():
+    torch.manual_seed(0)
+    cfg = T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                            num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=3)
+    return T.SegformerForSemanticSegmentation(cfg).eval()
+
+
+def _compiled_wins(monkeypatch):
+    """Fixed timings: the compiled candidate is fastest whatever the machine's load (what is tested
+    here is that it may compete and answers right, not the selection)."""
+    import importlib
+
+    opt_mod = importlib.import_module("torchkiln.optimize")
+    monkeypatch.setattr(opt_mod, "interleaved", lambda fns, *a, **k: {
+        n: [0.001 if n.startswith("torchkiln compiled") else 0.002] * 3 for n in fns})
+    monkeypatch.setattr(opt_mod, "blocks", lambda calls, *a, **k: {"served": [0.001] * 3, "given": [0.002] * 3})
+
+
+def test_transformers_own_output_capture_hooks_leave_the_compiled_form_in(monkeypatch):
+    """transformers 5.x collects hidden states through forward hooks it installs on a model's layers
+    the first time a call asks for them; segformer's segmentation head asks at every call. Counted as
+    user hooks, they kept every segformer on the model as given (the thirty-sixth session's sweep)."""
+    pytest.importorskip("transformers.utils.output_capturing")  # transformers < 5 collects without hooks
+    from torchkiln.modelutil import hooked
+
+    _compiled_wins(monkeypatch)
+
+    model, x = _segformer(), torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        want = model(pixel_values=x).logits
+        want_h = model(pixel_values=x, output_hidden_states=True).hidden_states
+    assert any(m._forward_hooks for m in model.modules()) and hooked(model) == []
+    fast = tk.optimize(model, sample_input={"pixel_values": x}, candidates="torchkiln", time_budget=0)
+    with torch.no_grad():
+        got = fast(pixel_values=x).logits
+        got_h = fast(pixel_values=x, output_hidden_states=True).hidden_states
+    assert fast.kiln_report.active.startswith("torchkiln compiled"), str(fast.kiln_report)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(got_h) == len(want_h) == 2
+    for g, w in zip(got_h, want_h, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_output_capture_hooks_installed_on_the_original_later_keep_calls_served(tok, monkeypatch):
+    """A call on the original that asks for hidden states installs transformers' capture hooks on it
+    after optimize: no hook of the user's changed, so calls stay on the served form."""
+    pytest.importorskip("transformers.utils.output_capturing")
+    _compiled_wins(monkeypatch)
+    torch.manual_seed(0)
+    bert = T.BertModel(T.BertConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=96, pad_token_id=0)).eval()
+    batch = dict(tok([TEXT, "w9 w8"], return_tensors="pt", padding=True))
+    fast = tk.optimize(bert, sample_input=batch, time_budget=0, candidates="torchkiln")
+    with torch.no_grad():
+        fast(**batch)
+        assert not any(m._forward_hooks for m in bert.modules())
+        want = bert(**batch, output_hidden_states=True)  # installs the hooks on the original
+        assert any(m._forward_hooks for m in bert.modules())
+        assert not fast._hooks.changed()
+        got = fast(**batch)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-5)
+    assert fast.kiln_report.active.startswith("torchkiln compiled")

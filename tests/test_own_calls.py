@@ -174,6 +174,29 @@ def test_hookwatch_sees_a_hook_swapped_for_another():
     h.remove()
 
 
+def _capture_hook(module, args, output):
+    """Stands for transformers' output-capture hook (transformers/utils/output_capturing.py, 5.x): inert
+    unless the running call asked for hidden states. The real one is tested in test_hf_pipelines.py."""
+
+
+_capture_hook.__module__ = "transformers.utils.output_capturing"
+
+
+def test_transformers_output_capture_hooks_neither_restrict_candidates_nor_count_as_a_change():
+    from torchkiln.modelutil import hooked
+
+    model = features()
+    w = HookWatch(model)
+    w.remember()
+    h = model[0].register_forward_hook(_capture_hook)  # installed by a call that asked for hidden states
+    assert hooked(model) == [] and not w.changed()
+    h2 = model[2].register_forward_hook(lambda *a: None)  # a user's hook beside it still counts
+    assert hooked(model) == ["2"] and w.changed()
+    h2.remove()
+    assert not w.changed()
+    h.remove()
+
+
 def test_a_submodule_put_in_training_mode_runs_the_original_then_back_to_served(monkeypatch):
     """Monte Carlo dropout: with a dropout layer put in training mode after optimize, each call draws
     its mask as eager does (the rebuilt form ran it in eval mode: deterministic, silently); back in

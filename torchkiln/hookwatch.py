@@ -18,6 +18,8 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
+from .modelutil import inert_hook
+
 _GLOBAL = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 
@@ -34,7 +36,8 @@ class HookWatch:
         if counter == look[0] and tuple(map(len, look[1])) == look[2]:
             return look[3]
         held = [d for d in self._dicts if d]
-        hooks = tuple((id(d), tuple(d)) for d in held)  # a dict's keys are its handles' ids
+        # a dict's keys are its handles' ids; transformers' output capture, installed by a call, is no change
+        hooks = tuple((id(d), ks) for d in held if (ks := tuple(k for k, h in d.items() if not inert_hook(h))))
         self._look = (counter, held, tuple(map(len, held)), hooks)
         return hooks
 

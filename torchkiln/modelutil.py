@@ -175,6 +175,15 @@ def keeps_mode(fn):
     return wrapper
 
 
+def inert_hook(hook) -> bool:
+    """transformers' own output capture (5.x, ``utils/output_capturing.py``): hooks it installs on a model's
+    layers the first time a call asks for hidden states or attentions (segformer's segmentation head
+    does at every call), which do nothing unless the running call asked. Left counted, they kept every
+    segformer on the model as given (the thirty-sixth session's sweep); compiled forms run them inside
+    the graph, and what they collect is the call's output, compared by the guard."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
 def hooked(model: nn.Module) -> list[str]:
     """Where forward hooks would run: the names of modules with forward (pre-)hooks, and "every
     module (global hooks)" for nn.modules.module's global ones. A traced or transformed copy of
@@ -182,7 +191,8 @@ def hooked(model: nn.Module) -> list[str]:
     compiled candidate: the new-user sweep, 2026-11-22)."""
     from torch.nn.modules import module as mod
 
-    names = [name or "the model" for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    names = [name or "the model" for name, m in model.named_modules()
+             if any(not inert_hook(h) for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))]
     if getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None):
         names.append("every module (global hooks)")
     return names
