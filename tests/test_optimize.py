@@ -979,6 +979,53 @@ def test_call_signatures_tell_call_forms_apart_and_the_one_tensor_path_agrees_wi
     assert len(set(distinct)) == len(distinct)
 
 
+@pytest.mark.skipif(not importlib.import_module("torchkiln.passes.compile").patches_per_thread(),
+                    reason="the compile deadline needs per-thread inductor config patches (torch >= 2.13)")
+def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(monkeypatch):
+    """MobileViT's recompile at a second batch size ran for minutes where eager answers in milliseconds
+    (the thirty-sixth session's sweep). A recompile past its deadline fails the compiled form for
+    that signature only; calls of it go one step down, and the caller waits the deadline, not the
+    compile."""
+    comp = importlib.import_module("torchkiln.passes.compile")
+    monkeypatch.setattr(comp, "RECOMPILE_MIN_S", 0.5)
+    monkeypatch.setattr(comp, "RECOMPILE_FACTOR", 0.0)
+    real = cand_mod.compile_model
+
+    class Stalls(nn.Module):  # compiling for any batch size but the sample's takes 3 s
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if x.shape[0] != 16:
+                time.sleep(3)
+            return self.inner(x)
+
+    def stalling(*a, **k):
+        c = real(*a, **k)
+        c.compiled = Stalls(c.compiled)
+        return c
+    monkeypatch.setattr(cand_mod, "compile_model", stalling)
+    compiled_wins(monkeypatch)
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    assert tk.report(fast).active.startswith("torchkiln compiled")
+    one = torch.randn(4, 32)
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match="CompileTimeout"), torch.no_grad():
+        y = fast(one)
+    assert time.perf_counter() - t0 < 2.5  # the deadline (0.5 s) and the step's own calls, not the 3-s compile
+    with torch.no_grad():
+        torch.testing.assert_close(y, m(one), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast(x), m(x), rtol=1e-4, atol=1e-5)  # the sample's signature: still compiled
+    rep = tk.report(fast)
+    assert rep.active.startswith("torchkiln compiled")
+    assert "CompileTimeout: compiling for these inputs ran past 0.5 s" in rep.fallbacks[-1].reason
+    assert rep.fallbacks[-1].to == "torchkiln eager passes (float32)"
+    for t in list(comp._overdue):
+        t.join()
+
+
 def test_a_new_input_signature_where_the_served_form_is_faster_stays_on_it(monkeypatch):
     seen = []
     _shape_timings(monkeypatch, given_ms=2.05, seen=seen)  # within the 5% margin: noise, not slower

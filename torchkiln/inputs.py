@@ -31,6 +31,24 @@ def normalize(sample) -> Args:
     )
 
 
+def _arg_signature(v):
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.dtype)
+    return (type(v).__name__, v) if type(v) in PLAIN else type(v).__name__
+
+
+def signature(args, kwargs) -> tuple:
+    """A call's form: each tensor's shape and dtype, plain values by value (output_hidden_states=True
+    is another call form than False), other objects by type. Computed at many calls: the one-tensor
+    call skips the generic walk (2.2 of the returned model's 6 us a call on an 8x8 Linear, 2-core
+    Zen 4, thirty-sixth session; torch.Size hashes and compares as the tuple it is)."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+        return ((args[0].shape, args[0].dtype),)
+    if kwargs:
+        return tuple([_arg_signature(a) for a in args]) + tuple([(k, _arg_signature(v)) for k, v in kwargs.items()])
+    return tuple([_arg_signature(a) for a in args])
+
+
 def tree_map(fn, obj):
     """Apply ``fn`` to every tensor in nested containers. torch's pytree is used
     because dynamo traces it without graph breaks and transformers registers its

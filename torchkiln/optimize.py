@@ -41,7 +41,6 @@ from .hardware import detect, resolve_device
 from .hookwatch import HookWatch
 from .modelutil import (
     DTYPES,
-    PLAIN,
     dtype_name,
     eval_mode,
     first_line,
@@ -84,14 +83,6 @@ SLOWER = 0.95  # quantize=: below this ratio to the float model as given, warn (
 # test_concurrent_first_call_without_sample_selects_once, 1 run in CI); bound here, the call
 # reaches forward's lock and waits for the setup instead.
 _MODULE_CALL = getattr(nn.Module, "_wrapped_call_impl", nn.Module.__call__)  # what __call__ is, unpatched
-
-
-def _arg_signature(v):
-    """One input's part of a call signature; plain values by value (output_hidden_states=True is
-    another call form than False)."""
-    if isinstance(v, torch.Tensor):
-        return (v.shape, v.dtype)
-    return (type(v).__name__, v) if type(v) in PLAIN else type(v).__name__
 
 
 class KilnModule(OwnCalls, OriginalFace):
@@ -399,14 +390,7 @@ class KilnModule(OwnCalls, OriginalFace):
 
     @staticmethod
     def _signature(args, kwargs) -> tuple:
-        # Computed at every call until VERIFIED_SHAPES signatures are seen: the one-tensor call skips the
-        # generic walk (2.2 of the wrapper's 6 us a call on an 8x8 Linear, 2-core Zen 4, thirty-sixth
-        # session; torch.Size hashes and compares as the tuple it is).
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
-            return ((args[0].shape, args[0].dtype),)
-        if kwargs:
-            return tuple([_arg_signature(a) for a in args]) + tuple([(k, _arg_signature(v)) for k, v in kwargs.items()])
-        return tuple([_arg_signature(a) for a in args])
+        return inputs.signature(args, kwargs)
 
     def _mark_verified(self, args, kwargs) -> None:
         self._shapes.add(self._signature(args, kwargs))

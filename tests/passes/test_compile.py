@@ -145,3 +145,86 @@ def test_a_compiled_call_inside_another_keeps_each_ones_options():
         outer(torch.randn(3))
     assert seen[-3:] == [("outer", True), ("inner", False), ("outer after", True)]
     assert inductor_config.freezing is False
+
+
+# ------------------------------------------------ the deadline on compiling for new inputs
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+import torchkiln.passes.compile as compile_mod  # noqa: E402
+
+needs_thread_patches = pytest.mark.skipif(not compile_mod.patches_per_thread(),
+                                          reason="the deadline needs per-thread inductor config patches (torch >= 2.13)")
+
+
+def _slow_at_new_shapes(c, seconds: float, seen: list):
+    """``c``'s compiled callable, made to take ``seconds`` at every batch size after the first (a
+    pathological recompile), recording the thread and modes each call ran under."""
+    class Slow(nn.Module):
+        def __init__(self, real):
+            super().__init__()
+            self.real, self.sizes = real, []
+
+        def forward(self, x):
+            seen.append((threading.current_thread().name, torch.is_grad_enabled(),
+                         torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            if self.sizes and x.shape[0] not in self.sizes:
+                time.sleep(seconds)
+            self.sizes.append(x.shape[0])
+            return self.real(x)
+    c.compiled = Slow(c.compiled)
+
+
+@pytest.fixture
+def short_deadlines(monkeypatch):
+    monkeypatch.setattr(compile_mod, "RECOMPILE_MIN_S", 0.3)
+    monkeypatch.setattr(compile_mod, "RECOMPILE_FACTOR", 0.0)
+    yield
+    for t in list(compile_mod._overdue):  # leave no overdue compile to the next test
+        t.join()
+
+
+@needs_thread_patches
+def test_a_compile_past_its_deadline_raises_and_the_rest_fail_fast_until_it_ends(short_deadlines):
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    c, other = compile_model(m, {}), compile_model(copy_of(m), {})
+    seen = []
+    _slow_at_new_shapes(c, 1.5, seen)
+    with torch.no_grad():
+        torch.testing.assert_close(c(torch.ones(2, 8)), m(torch.ones(2, 8)))  # the first call: no deadline hit
+        t0 = time.perf_counter()
+        with pytest.raises(compile_mod.CompileTimeout, match="ran past 0.3 s"):
+            c(torch.ones(3, 8))
+        assert time.perf_counter() - t0 < 1.2  # returned at the deadline, not after the 1.5-s compile
+        with pytest.raises(compile_mod.CompileTimeout, match="another compile ran past its deadline"):
+            other(torch.ones(2, 8))  # would wait on dynamo's compile lock: fails at once
+        torch.testing.assert_close(c(torch.ones(2, 8)), m(torch.ones(2, 8)))  # a signature it ran still answers
+        for t in list(compile_mod._overdue):
+            t.join()
+        torch.testing.assert_close(other(torch.ones(2, 8)), m(torch.ones(2, 8)))  # over: compiles again
+    assert [s[0] for s in seen[:2]] == ["torchkiln-compile"] * 2  # first calls ran in the worker
+
+
+def copy_of(m):
+    import copy
+    return copy.deepcopy(m)
+
+
+@needs_thread_patches
+def test_the_worker_runs_under_the_callers_modes_and_raises_its_errors_in_the_caller(short_deadlines):
+    m = nn.Sequential(nn.Linear(8, 8)).eval()
+    c = compile_model(m, {})
+    seen = []
+    _slow_at_new_shapes(c, 0.0, seen)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        c(torch.ones(2, 8))
+    assert seen[-1] == ("torchkiln-compile", False, True, torch.bfloat16)
+    with torch.no_grad():
+        c(torch.ones(2, 8))  # a signature seen: in the caller's thread
+        assert seen[-1][0] == threading.current_thread().name
+        with pytest.raises(RuntimeError, match="same reduction dim|cannot be multiplied") as e:
+            c(torch.ones(2, 5))  # the model's own error, from the worker, raised here
+        assert not isinstance(e.value, compile_mod.CompileTimeout)
+    c(torch.ones(4, 8))  # grad enabled (training): always in the caller's thread
+    assert seen[-1][:2] == (threading.current_thread().name, True)

@@ -16,13 +16,37 @@ import contextvars
 import functools
 import itertools
 import threading
+import time
 import types
 import weakref
 
 import torch
 from torch import nn
 
+from ..inputs import flatten, signature
+
 _ids = itertools.count()
+
+# Compiling for a new input signature can run for many minutes where eager answers in milliseconds:
+# MobileViT's automatic-dynamic recompile at a second batch size (torch 2.13 inductor, stock
+# torch.compile alike) ran past 15 minutes after a 22-s first compile (the thirty-sixth session's
+# sweep, RESULTS.md). So a Compiled's first call at an input signature it has not run runs in a worker
+# thread, and the caller waits up to a deadline, then gets CompileTimeout: a candidate failure, so
+# the selection or the per-signature detour serves something else. torch's compile goes on in the
+# background holding dynamo's process-wide compile lock; until it ends, any other compile would wait
+# on that lock, so other first calls fail at once instead.
+FIRST_COMPILE_S = 600.0  # a Compiled's very first call (the selection's build)
+RECOMPILE_MIN_S = 60.0  # later signatures: at least this, or RECOMPILE_FACTOR times the first compile
+RECOMPILE_FACTOR = 3.0
+_overdue: dict[threading.Thread, tuple] = {}  # compiles past their deadline, maybe still running: (owner, sig, limit)
+
+
+class CompileTimeout(RuntimeError):
+    """torch.compile did not finish compiling for a call's inputs within the deadline."""
+
+
+def _past(limit: float) -> str:
+    return f"compiling for these inputs ran past {limit:.3g} s (torch.compile goes on in the background)"
 
 
 class Fresh(nn.Module):
@@ -83,6 +107,63 @@ class Compiled(nn.Module):
         weakref.finalize(self, _unload, self._made).atexit = False
 
     def forward(self, *args, **kwargs):
+        seen = self.__dict__.get("_seen")
+        if seen is None or not torch.is_grad_enabled():  # inference calls only: training's backward is
+            sig = signature(args, kwargs)                # compiled apart, in the caller's thread
+            if seen is None or sig not in seen:
+                return self._first_at(sig, args, kwargs)
+        return self._run(args, kwargs)
+
+    def _first_at(self, sig, args, kwargs):
+        """The first call at a signature, bounded (FIRST_COMPILE_S, RECOMPILE_*) where that is safe:
+        inference on CPU inputs, on a torch whose inductor config patches are per thread (2.13; on
+        older torch a patch left held by an overdue compile would block every other call's). On CUDA
+        the call stays in the caller's thread: its current stream and CUDA-graph trees are per thread."""
+        seen = self.__dict__.setdefault("_seen", set())
+        first = self.__dict__.get("_first_s")
+        if torch.is_grad_enabled() or not patches_per_thread() or \
+                any(t.device.type != "cpu" for t in flatten((args, kwargs))):
+            out = self._run(args, kwargs)
+            seen.add(sig)
+            return out
+        for t in [t for t in _overdue if not t.is_alive()]:
+            _overdue.pop(t, None)
+        for owner, at, limit in list(_overdue.values()):
+            if owner is self and at == sig:
+                raise CompileTimeout(_past(limit))
+            raise CompileTimeout(f"another compile ran past its deadline ({limit:.3g} s) and is still running; "
+                                 "compiling now would wait for it")
+        limit = FIRST_COMPILE_S if first is None else max(RECOMPILE_MIN_S, RECOMPILE_FACTOR * first)
+        box: dict = {}
+        inference = torch.is_inference_mode_enabled()
+        amp = torch.is_autocast_enabled("cpu")
+        amp_dtype = torch.get_autocast_dtype("cpu")
+
+        def work():  # the caller's thread-local modes (the context variables come with copy_context)
+            try:
+                # (inference_mode(False) turns grad mode on: only entered when on, before no_grad)
+                modes = torch.inference_mode() if inference else contextlib.nullcontext()
+                with modes, torch.no_grad(), torch.autocast("cpu", dtype=amp_dtype, enabled=amp):
+                    box["out"] = self._run(args, kwargs)
+            except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+                box["error"] = e
+
+        t0 = time.perf_counter()
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(work,), daemon=True,
+                                  name="torchkiln-compile")
+        worker.start()
+        worker.join(limit)
+        if worker.is_alive():
+            _overdue[worker] = (self, sig, limit)
+            raise CompileTimeout(_past(limit))
+        if "error" in box:
+            raise box["error"]
+        if first is None:
+            self.__dict__["_first_s"] = time.perf_counter() - t0
+        seen.add(sig)
+        return box["out"]
+
+    def _run(self, args, kwargs):
         mods = _output_modules()
         before = len(mods)
         tallies = _metric_tallies()
