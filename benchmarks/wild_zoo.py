@@ -119,6 +119,12 @@ def mobilenet_v2():
     return _hf("MobileNetV2Config", "MobileNetV2Model"), torch.randn(1, 3, 224, 224)
 
 
+def segformer():
+    # Its segmentation head asks the encoder for hidden states at every call: transformers 5 collects
+    # them through forward hooks, which before the thirty-sixth session kept it on the model as given.
+    return _hf("SegformerConfig", "SegformerForSemanticSegmentation"), torch.randn(1, 3, 224, 224)
+
+
 def wav2vec2():
     return _hf("Wav2Vec2Config", "Wav2Vec2Model", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                intermediate_size=1024), torch.randn(1, 16000)
@@ -212,7 +218,7 @@ def recommender():
 
 MODELS = {f.__name__.replace("_", "-"): f for f in (
     roberta, distilbert, albert, electra, deberta, t5_encoder, bart, opt, gpt_neox, qwen2,
-    convnext, swin, mobilenet_v2, wav2vec2, lstm, gru, torch_transformer, unet, recommender)}
+    convnext, swin, mobilenet_v2, segformer, wav2vec2, lstm, gru, torch_transformer, unet, recommender)}
 
 FLAG = 0.95  # below this ratio to the best peer, a case is flagged
 
