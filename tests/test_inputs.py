@@ -1,4 +1,4 @@
-"""inputs.clone (the copy a CUDA-graph output gets on every call) against torch's pytree walk."""
+"""inputs.clone (the copy a CUDA-graph output gets on every call) against torch's pytree walk; call signatures."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections import namedtuple
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
 from torchkiln import inputs
 
@@ -69,3 +70,16 @@ def test_a_cloned_model_output_reads_the_same_every_way_and_owns_its_tensors():
 ])
 def test_rows_counts_what_the_linear_layers_see(sample, rows):
     assert inputs.rows(sample) == rows
+
+
+def test_call_signatures_tell_call_forms_apart_and_the_one_tensor_path_agrees_with_the_walk():
+    """The one-tensor shortcut must key the same call as the generic walk does (a shape seen as a keyword
+    or positionally elsewhere is its own form), and tell shapes, dtypes and plain values apart."""
+    sig = inputs.signature
+    x = torch.randn(2, 3)
+    assert sig((x,), {}) == ((tuple(x.shape), x.dtype),) and hash(sig((x,), {})) == hash((((2, 3), x.dtype),))
+    assert sig((x,), {}) == sig((torch.zeros(2, 3),), {})  # values do not matter
+    assert sig((x,), {}) == sig((nn.Parameter(x),), {})  # a subclass takes the walk, to the same key
+    distinct = [sig((x,), {}), sig((x.double(),), {}), sig((x[:1],), {}), sig((), {"x": x}), sig((x, 1), {}),
+                sig((x, 2), {}), sig((x,), {"flag": True}), sig((x,), {"flag": False}), sig((x, None), {})]
+    assert len(set(distinct)) == len(distinct)

@@ -966,19 +966,6 @@ def test_a_new_input_signature_where_the_model_as_given_is_faster_is_served_by_i
     assert "shapes     [[1, 32]]: served 2.000 ms, as given 1.000 ms -> original model" in str(rep)
 
 
-def test_call_signatures_tell_call_forms_apart_and_the_one_tensor_path_agrees_with_the_walk():
-    """The one-tensor shortcut must key the same call as the generic walk does (a shape seen as a keyword
-    or positionally elsewhere is its own form), and tell shapes, dtypes and plain values apart."""
-    sig = opt_mod.KilnModule._signature
-    x = torch.randn(2, 3)
-    assert sig((x,), {}) == ((tuple(x.shape), x.dtype),) and hash(sig((x,), {})) == hash((((2, 3), x.dtype),))
-    assert sig((x,), {}) == sig((torch.zeros(2, 3),), {})  # values do not matter
-    assert sig((x,), {}) == sig((nn.Parameter(x),), {})  # a subclass takes the walk, to the same key
-    distinct = [sig((x,), {}), sig((x.double(),), {}), sig((x[:1],), {}), sig((), {"x": x}), sig((x, 1), {}),
-                sig((x, 2), {}), sig((x,), {"flag": True}), sig((x,), {"flag": False}), sig((x, None), {})]
-    assert len(set(distinct)) == len(distinct)
-
-
 @pytest.mark.skipif(not importlib.import_module("torchkiln.passes.compile").patches_per_thread(),
                     reason="the compile deadline needs per-thread inductor config patches (torch >= 2.13)")
 def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(monkeypatch):

@@ -181,15 +181,14 @@ WARM_S = 0.02
 
 
 def _time(fn: Callable, args, kwargs, device, warmup: int, iters: int, tick=None, warm_s: float = 0.0) -> list[float]:
-    """``iters`` timed calls after ``warmup`` calls, or more warm-up calls until ``warm_s`` has passed."""
+    """``iters`` timed calls after ``warmup`` calls, and more warm-up calls until ``warm_s`` has passed."""
     t0 = time.perf_counter()
-    done = 0
-    while done < warmup or (done and time.perf_counter() - t0 < warm_s):
+    for _ in range(warmup):
         fn(*args, **kwargs)
-        done += 1
-        if warm_s:
-            synchronize(device)
     synchronize(device)
+    while warmup and time.perf_counter() - t0 < warm_s:
+        fn(*args, **kwargs)
+        synchronize(device)
     times = []
     for _ in range(iters):
         t = time.perf_counter()

@@ -194,7 +194,7 @@ class KilnModule(OwnCalls, OriginalFace):
             fn = self._fn
             new_shape, sig = self._check_shape(args, kwargs)
         if self._detours:
-            detour = self._detours.get(sig or self._signature(args, kwargs))
+            detour = self._detours.get(sig or inputs.signature(args, kwargs))
             if detour is not None:
                 if not detour[0].live_weights and self._stale():
                     return self._refreshed(args, kwargs)
@@ -213,7 +213,7 @@ class KilnModule(OwnCalls, OriginalFace):
                 if self._fn is fn:
                     with self._pristine(args, kwargs):
                         return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}",
-                                               detour=self._signature(args, kwargs) not in self._shapes)
+                                               detour=inputs.signature(args, kwargs) not in self._shapes)
             return self.forward(*args, **kwargs)
         if late and self._stale():
             return self._refreshed(args, kwargs)
@@ -388,12 +388,8 @@ class KilnModule(OwnCalls, OriginalFace):
             object.__setattr__(self, "_cands", keeping_state(self._cands, names, self.kiln_original,
                                                              self.kiln_report.fallbacks))
 
-    @staticmethod
-    def _signature(args, kwargs) -> tuple:
-        return inputs.signature(args, kwargs)
-
     def _mark_verified(self, args, kwargs) -> None:
-        self._shapes.add(self._signature(args, kwargs))
+        self._shapes.add(inputs.signature(args, kwargs))
         self.kiln_report.verified_shapes = len(self._shapes) if self._tols is not None else 0
 
     def _check_shape(self, args, kwargs) -> tuple[bool, tuple | None]:
@@ -401,7 +397,7 @@ class KilnModule(OwnCalls, OriginalFace):
         signature where it was needed for that, else None: the detour lookup reuses it)."""
         if self._opts["verify"] != "shapes" or (len(self._shapes) >= VERIFIED_SHAPES and not self._recheck):
             return False, None
-        sig = self._signature(args, kwargs)
+        sig = inputs.signature(args, kwargs)
         if sig not in self._shapes:
             return len(self._shapes) < VERIFIED_SHAPES, sig
         left = self._recheck.get(sig)
@@ -420,7 +416,7 @@ class KilnModule(OwnCalls, OriginalFace):
         if verify:
             ref = self._reference(args, kwargs)
             if ref is None and self._sample_ref is not None and self._sample is not None \
-                    and self._signature(args, kwargs) == self._signature(*self._sample):
+                    and inputs.signature(args, kwargs) == inputs.signature(*self._sample):
                 ref = self._sample_ref
         if self._state_names is None:
             self._probe_state(args, kwargs)
@@ -653,7 +649,7 @@ class KilnModule(OwnCalls, OriginalFace):
         served = measures[self._served.name].median_ms
         if given and served and served * SHAPE_CLOSE <= min(given):
             return
-        self._recheck[self._signature(args, kwargs)] = SHAPE_RECHECK
+        self._recheck[inputs.signature(args, kwargs)] = SHAPE_RECHECK
 
     def _find(self, name: str) -> Candidate:
         return next(c for c in self._cands if c.name == name)
@@ -725,7 +721,7 @@ class KilnModule(OwnCalls, OriginalFace):
 
     # ----------------------------------------------------- later: verify / step down
     def _verify_shape(self, args, kwargs):
-        sig = self._signature(args, kwargs)
+        sig = inputs.signature(args, kwargs)
         if sig in self._shapes and self._recheck.pop(sig, None) is not None:
             slower = self._slower_than_given(args, kwargs, again=True)
             if slower is not None:
@@ -792,7 +788,7 @@ class KilnModule(OwnCalls, OriginalFace):
         if again:
             entry["after_calls"] = SHAPE_RECHECK
         elif not slower and s * SHAPE_CLOSE > g:
-            self._recheck[self._signature(args, kwargs)] = SHAPE_RECHECK
+            self._recheck[inputs.signature(args, kwargs)] = SHAPE_RECHECK
         self.kiln_report.shapes.append(entry)
         if not slower:
             return None
@@ -853,7 +849,7 @@ class KilnModule(OwnCalls, OriginalFace):
         self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
         warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} "
                   f"{'failed' if failed else 'was slower'} on them: {reason}); other calls stay on {here}", owner=self)
-        self._detours[self._signature(args, kwargs)] = (cand, fn)
+        self._detours[inputs.signature(args, kwargs)] = (cand, fn)
         self._restore()
         return self._serve(fn, args, kwargs, cand)
 

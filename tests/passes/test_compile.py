@@ -1,10 +1,14 @@
+import copy
 import threading
+import time
 
+import pytest
 import torch
 import torch._inductor.config as inductor_config
 from memory import live_tensor_bytes
 from torch import nn
 
+import torchkiln.passes.compile as compile_mod
 from torchkiln.passes import compile_model
 
 
@@ -148,12 +152,6 @@ def test_a_compiled_call_inside_another_keeps_each_ones_options():
 
 
 # ------------------------------------------------ the deadline on compiling for new inputs
-import time  # noqa: E402
-
-import pytest  # noqa: E402
-
-import torchkiln.passes.compile as compile_mod  # noqa: E402
-
 needs_thread_patches = pytest.mark.skipif(not compile_mod.patches_per_thread(),
                                           reason="the deadline needs per-thread inductor config patches (torch >= 2.13)")
 
@@ -188,7 +186,7 @@ def short_deadlines(monkeypatch):
 @needs_thread_patches
 def test_a_compile_past_its_deadline_raises_and_the_rest_fail_fast_until_it_ends(short_deadlines):
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
-    c, other = compile_model(m, {}), compile_model(copy_of(m), {})
+    c, other = compile_model(m, {}), compile_model(copy.deepcopy(m), {})
     seen = []
     _slow_at_new_shapes(c, 1.5, seen)
     with torch.no_grad():
@@ -204,11 +202,6 @@ def test_a_compile_past_its_deadline_raises_and_the_rest_fail_fast_until_it_ends
             t.join()
         torch.testing.assert_close(other(torch.ones(2, 8)), m(torch.ones(2, 8)))  # over: compiles again
     assert [s[0] for s in seen[:2]] == ["torchkiln-compile"] * 2  # first calls ran in the worker
-
-
-def copy_of(m):
-    import copy
-    return copy.deepcopy(m)
 
 
 @needs_thread_patches

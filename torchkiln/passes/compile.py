@@ -107,32 +107,31 @@ class Compiled(nn.Module):
         weakref.finalize(self, _unload, self._made).atexit = False
 
     def forward(self, *args, **kwargs):
-        seen = self.__dict__.get("_seen")
-        if seen is None or not torch.is_grad_enabled():  # inference calls only: training's backward is
-            sig = signature(args, kwargs)                # compiled apart, in the caller's thread
-            if seen is None or sig not in seen:
+        # Inference calls only: training's backward is compiled apart, in the caller's thread.
+        d = self.__dict__  # (read directly: nn.Module's attribute lookup is slower, and this runs every call)
+        if d.get("_bounded", True) and not torch.is_grad_enabled():
+            sig = signature(args, kwargs)
+            if sig not in d.setdefault("_seen", set()):
                 return self._first_at(sig, args, kwargs)
         return self._run(args, kwargs)
 
     def _first_at(self, sig, args, kwargs):
         """The first call at a signature, bounded (FIRST_COMPILE_S, RECOMPILE_*) where that is safe:
-        inference on CPU inputs, on a torch whose inductor config patches are per thread (2.13; on
-        older torch a patch left held by an overdue compile would block every other call's). On CUDA
-        the call stays in the caller's thread: its current stream and CUDA-graph trees are per thread."""
-        seen = self.__dict__.setdefault("_seen", set())
-        first = self.__dict__.get("_first_s")
-        if torch.is_grad_enabled() or not patches_per_thread() or \
-                any(t.device.type != "cpu" for t in flatten((args, kwargs))):
-            out = self._run(args, kwargs)
-            seen.add(sig)
-            return out
+        CPU inputs, on a torch whose inductor config patches are per thread (2.13; on older torch a
+        patch left held by an overdue compile would block every other call's). On CUDA the call stays
+        in the caller's thread: its current stream and CUDA-graph trees are per thread. Where it is not
+        safe, this Compiled stops keeping signatures."""
+        if not patches_per_thread() or any(t.device.type != "cpu" for t in flatten((args, kwargs))):
+            self.__dict__["_bounded"] = False
+            return self._run(args, kwargs)
         for t in [t for t in _overdue if not t.is_alive()]:
             _overdue.pop(t, None)
-        for owner, at, limit in list(_overdue.values()):
-            if owner is self and at == sig:
-                raise CompileTimeout(_past(limit))
-            raise CompileTimeout(f"another compile ran past its deadline ({limit:.3g} s) and is still running; "
+        if _overdue:
+            owner, at, limit = next(iter(_overdue.values()))
+            raise CompileTimeout(_past(limit) if owner is self and at == sig else
+                                 f"another compile ran past its deadline ({limit:.3g} s) and is still running; "
                                  "compiling now would wait for it")
+        first = self.__dict__.get("_first_s")
         limit = FIRST_COMPILE_S if first is None else max(RECOMPILE_MIN_S, RECOMPILE_FACTOR * first)
         box: dict = {}
         inference = torch.is_inference_mode_enabled()
@@ -160,7 +159,7 @@ class Compiled(nn.Module):
             raise box["error"]
         if first is None:
             self.__dict__["_first_s"] = time.perf_counter() - t0
-        seen.add(sig)
+        self.__dict__["_seen"].add(sig)
         return box["out"]
 
     def _run(self, args, kwargs):
