@@ -966,25 +966,26 @@ def test_a_new_input_signature_where_the_model_as_given_is_faster_is_served_by_i
     assert "shapes     [[1, 32]]: served 2.000 ms, as given 1.000 ms -> original model" in str(rep)
 
 
-@pytest.mark.skipif(not importlib.import_module("torchkiln.passes.compile").patches_per_thread(),
-                    reason="the compile deadline needs per-thread inductor config patches (torch >= 2.13)")
-def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(monkeypatch):
-    """MobileViT's recompile at a second batch size ran for minutes where eager answers in milliseconds
-    (the thirty-sixth session's sweep). A recompile past its deadline fails the compiled form for
-    that signature only; calls of it go one step down, and the caller waits the deadline, not the
-    compile."""
+needs_deadline = pytest.mark.skipif(not importlib.import_module("torchkiln.passes.compile").patches_per_thread(),
+                                    reason="the compile deadline needs per-thread inductor config patches (torch >= 2.13)")
+
+
+def _stalling_compiles(monkeypatch, once: bool) -> list:
+    """Compiled forms whose calls at any batch size but 16 take 3 s more (``once``: the first call at
+    each batch size only, as a slow compile would); returns the batch sizes those calls had."""
     comp = importlib.import_module("torchkiln.passes.compile")
     monkeypatch.setattr(comp, "RECOMPILE_MIN_S", 0.5)
     monkeypatch.setattr(comp, "RECOMPILE_FACTOR", 0.0)
-    real = cand_mod.compile_model
+    real, calls = cand_mod.compile_model, []
 
-    class Stalls(nn.Module):  # compiling for any batch size but the sample's takes 3 s
+    class Stalls(nn.Module):
         def __init__(self, inner):
             super().__init__()
             self.inner = inner
 
         def forward(self, x):
-            if x.shape[0] != 16:
+            calls.append(x.shape[0])
+            if x.shape[0] != 16 and not (once and calls.count(x.shape[0]) > 1):
                 time.sleep(3)
             return self.inner(x)
 
@@ -994,6 +995,21 @@ def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(mon
         return c
     monkeypatch.setattr(cand_mod, "compile_model", stalling)
     compiled_wins(monkeypatch)
+    return calls
+
+
+def _join_overdue():
+    for t in list(importlib.import_module("torchkiln.passes.compile")._overdue):
+        t.join()
+
+
+@needs_deadline
+def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(monkeypatch):
+    """MobileViT's recompile at a second batch size ran for minutes where eager answers in milliseconds
+    (the thirty-sixth session's sweep). A recompile past its deadline fails the compiled form for
+    that signature only; calls of it go one step down, and the caller waits the deadline, not the
+    compile."""
+    _stalling_compiles(monkeypatch, once=False)
     m, x = mlp(), torch.randn(16, 32)
     fast = tk.optimize(m, sample_input=x, candidates="torchkiln")
     assert tk.report(fast).active.startswith("torchkiln compiled")
@@ -1009,8 +1025,42 @@ def test_a_recompile_that_runs_past_its_deadline_is_answered_eagerly_at_once(mon
     assert rep.active.startswith("torchkiln compiled")
     assert "CompileTimeout: compiling for these inputs ran past 0.5 s" in rep.fallbacks[-1].reason
     assert rep.fallbacks[-1].to == "torchkiln eager passes (float32)"
-    for t in list(comp._overdue):
-        t.join()
+    _join_overdue()
+    # the compile ended, but its calls still stall: the signature's second try is its last (one more deadline)
+    with torch.no_grad():
+        fast(one)
+        _join_overdue()
+        t0 = time.perf_counter()
+        torch.testing.assert_close(fast(one), m(one), rtol=1e-4, atol=1e-5)
+    assert time.perf_counter() - t0 < 0.4  # on its detour for good now, not a third try
+    assert tk.report(fast).fallbacks[-1].to == "torchkiln eager passes (float32)"
+
+
+@needs_deadline
+def test_a_signature_sent_away_by_an_overdue_compile_comes_back_once_the_compile_has_ended(monkeypatch):
+    """The detour of a compile past its deadline is transient: torch's compile goes on in the background,
+    and once it has ended the signature is served compiled again, verified as a new one."""
+    calls = _stalling_compiles(monkeypatch, once=True)
+    m, x = mlp(), torch.randn(16, 32)
+    fast = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    one = torch.randn(4, 32)
+    with pytest.warns(UserWarning, match="CompileTimeout"), torch.no_grad():
+        fast(one)
+    assert tk.report(fast).fallbacks[-1].to == "torchkiln eager passes (float32)"
+    with torch.no_grad():
+        fast(one)  # the compile still runs: the detour answers
+    _join_overdue()
+    assert calls.count(4) == 1  # only the overdue compile's call reached the compiled form
+    with torch.no_grad():
+        ys = [fast(one) for _ in range(3)]
+        ref = m(one)
+    for y in ys:
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    assert calls.count(4) >= 4  # the compiled form answers these calls again (and was timed, verified)
+    back = tk.report(fast).fallbacks[-1]
+    assert back.step == "torchkiln eager passes (float32)" and back.to.startswith("torchkiln compiled")
+    assert "has passed" in back.reason and "back on torchkiln compiled" in back.reason
+    assert not fast._detours
 
 
 def test_a_new_input_signature_where_the_served_form_is_faster_stays_on_it(monkeypatch):

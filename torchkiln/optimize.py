@@ -28,6 +28,8 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +56,7 @@ from .modelutil import (
     training_module,
 )
 from .owncalls import OwnCalls, under_transform
+from .passes.compile import CompileTimeout, compiling_late
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine, per_call_state
 from .progress import ticks
@@ -130,7 +133,8 @@ class KilnModule(OwnCalls, OriginalFace):
         s(self, "_swap", {})  # candidate name -> what replaced it (fullgraph -> graph breaks)
         s(self, "_own", None)  # "training" while calls must run the original itself (see forward)
         s(self, "_grad", None)  # (callable, words): what answers calls that need autograd (_grad_run)
-        s(self, "_detours", {})  # signature -> (Candidate, callable): call forms the served one failed on
+        s(self, "_detours", {})  # signature -> Detour: call forms the served one failed on, or was slower on
+        s(self, "_undetoured", set())  # signatures whose transient detour has ended (Detour)
         s(self, "_recheck", {})  # signature -> its calls left before its second reading (SHAPE_RECHECK)
         # (device type, dtype optimized for), read by every call's autocast check (_under_autocast)
         s(self, "_amp", (torch.device(self.kiln_recipe.device).type, DTYPES.get(self.kiln_recipe.dtype)))
@@ -195,10 +199,12 @@ class KilnModule(OwnCalls, OriginalFace):
             new_shape, sig = self._check_shape(args, kwargs)
         if self._detours:
             detour = self._detours.get(sig or inputs.signature(args, kwargs))
-            if detour is not None:
-                if not detour[0].live_weights and self._stale():
+            if detour is not None and (detour.until is None or detour.until()):
+                if not detour.cand.live_weights and self._stale():
                     return self._refreshed(args, kwargs)
-                return self._serve(detour[1], args, kwargs, detour[0])
+                return self._serve(detour.fn, args, kwargs, detour.cand)
+            if detour is not None:  # its cause has passed: these calls go back to the served form
+                self._end_detour(sig or inputs.signature(args, kwargs), detour)
         if new_shape:
             with self._lock, self._pristine(args, kwargs):
                 return self._verify_shape(args, kwargs)
@@ -213,7 +219,8 @@ class KilnModule(OwnCalls, OriginalFace):
                 if self._fn is fn:
                     with self._pristine(args, kwargs):
                         return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}",
-                                               detour=inputs.signature(args, kwargs) not in self._shapes)
+                                               detour=inputs.signature(args, kwargs) not in self._shapes,
+                                               until=self._transient(e, args, kwargs))
             return self.forward(*args, **kwargs)
         if late and self._stale():
             return self._refreshed(args, kwargs)
@@ -737,7 +744,8 @@ class KilnModule(OwnCalls, OriginalFace):
         except Exception as e:
             if is_oom(e) or self._served.kind == "original":
                 raise
-            return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}", ref, detour=True)
+            return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}", ref, detour=True,
+                                   until=self._transient(e, args, kwargs))
         if ref is not None and self._served.kind != "original":
             v = verdict(out, ref, self._tols or tolerances(DTYPES[self.kiln_recipe.dtype], None, 1))
             if not v.ok:
@@ -796,13 +804,14 @@ class KilnModule(OwnCalls, OriginalFace):
         return (f"at these input shapes the model as given ran {g:.3f} ms a call against {s:.3f} ms "
                 f"(timed {when})", given, given_fn)
 
-    def _step_down(self, args, kwargs, reason: str, ref=None, detour: bool = False):
+    def _step_down(self, args, kwargs, reason: str, ref=None, detour: bool = False, until=None):
         """Walk the measured order below the served candidate; a step is taken only if
         it runs these inputs and passes the guard. The original ends the walk.
 
         ``detour``: the served candidate failed on a call form it never answered (another flag, an
         output option): the step serves that form only, and the rest stay where they were. One
-        ``output_hidden_states=True`` call used to leave every later call on the eager passes."""
+        ``output_hidden_states=True`` call used to leave every later call on the eager passes.
+        ``until``: the failure's cause is transient (see Detour)."""
         if ref is None:
             ref = self._reference(args, kwargs)  # user errors raise here, unchanged
         here = self._served.name
@@ -812,7 +821,7 @@ class KilnModule(OwnCalls, OriginalFace):
             if step is None and original is not None:
                 step = (original, original.make())
             if step is not None:
-                return self._detour(args, kwargs, reason, *step)
+                return self._detour(args, kwargs, reason, *step, until=until)
         if step is None:
             return self._serve_original(args, kwargs, ref, f"{here} failed ({reason})")
         cand, fn = step
@@ -840,18 +849,35 @@ class KilnModule(OwnCalls, OriginalFace):
             return cand, fn
         return None
 
-    def _detour(self, args, kwargs, reason: str, cand: Candidate, fn, failed: bool = True):
-        """Serve this call form with ``cand`` from now on; the served candidate stays for the rest.
-        ``failed=False``: not a failure, ``cand`` is faster on it (_slower_than_given)."""
+    def _detour(self, args, kwargs, reason: str, cand: Candidate, fn, failed: bool = True, until=None):
+        """Serve this call form with ``cand`` from now on (or while ``until()``); the served candidate
+        stays for the rest. ``failed=False``: not a failure, ``cand`` is faster on it (_slower_than_given)."""
         here = self._served.name
         form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
             "this input signature"
         self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
         warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} "
                   f"{'failed' if failed else 'was slower'} on them: {reason}); other calls stay on {here}", owner=self)
-        self._detours[inputs.signature(args, kwargs)] = (cand, fn)
+        self._detours[inputs.signature(args, kwargs)] = Detour(cand, fn, until, form)
         self._restore()
         return self._serve(fn, args, kwargs, cand)
+
+    def _transient(self, e: BaseException, args, kwargs) -> Callable[[], bool] | None:
+        """How long a failure's detour lasts: a compile past its deadline, until it ends, once per call
+        form (a compile that ran past its deadline and then failed would otherwise cost every retry the
+        deadline); anything else, for good."""
+        if isinstance(e, CompileTimeout) and inputs.signature(args, kwargs) not in self._undetoured:
+            return compiling_late
+        return None
+
+    def _end_detour(self, sig, detour: Detour) -> None:
+        with self._lock:
+            self._undetoured.add(sig)
+            if self._detours.pop(sig, None) is detour:
+                here = self._served.name
+                self.kiln_report.fallbacks.append(Fallback(detour.cand.name, here, (
+                    f"for calls with {detour.form} only: what sent them to {detour.cand.name} has passed "
+                    f"(the compile that ran past its deadline ended); back on {here}")))
 
     # ------------------------------------------------------- the original's face
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -921,6 +947,17 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def extra_repr(self) -> str:
         return f"device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, active={self.kiln_report.active!r}"
+
+
+class Detour(NamedTuple):
+    """A call form served by another candidate than the served one, while ``until()`` (None: for good).
+    A compile past its deadline (CompileTimeout) is transient: torch's compile goes on in the background,
+    and once it has ended the form's next call compiles from dynamo's cache and is verified as a new one."""
+
+    cand: Candidate
+    fn: object
+    until: Callable[[], bool] | None
+    form: str
 
 
 _FAILED = object()  # _rebuild's "no": a full selection follows

@@ -45,6 +45,12 @@ class CompileTimeout(RuntimeError):
     """torch.compile did not finish compiling for a call's inputs within the deadline."""
 
 
+def compiling_late() -> bool:
+    """Whether a compile that ran past its deadline is still running: what CompileTimeout's detours wait
+    out (optimize.py sends their signatures back to the compiled form once it has ended)."""
+    return any(t.is_alive() for t in list(_overdue))
+
+
 def _past(limit: float) -> str:
     return f"compiling for these inputs ran past {limit:.3g} s (torch.compile goes on in the background)"
 
