@@ -119,6 +119,13 @@ def test_conv_net_layout(hw, device, fmt, level):
     # a net without convolutions never changes layout
     flat = plan(mlp(), hw, device, FP32, level, {}, None)
     assert flat.memory_format == "contiguous" and "channels_last" not in flat.pass_names
+    # nor one whose only convolutions are 1-D (whisper's and wav2vec2's audio stems): no such layout,
+    # and the report said both "conv net: channels_last" and "channels_last (no convolutions)"
+    audio = nn.Sequential(nn.Conv1d(4, 8, 3), nn.GELU(), nn.Flatten(), nn.Linear(8 * 14, 2)).eval()
+    one_d = plan(audio, hw, device, FP32, level, {}, None)
+    assert one_d.memory_format == "contiguous" and "channels_last" not in one_d.pass_names
+    assert not any("channels_last" in n for n in one_d.notes)
+    assert one_d.cudnn_benchmark is device.startswith("cuda")  # cuDNN still picks its 1-D algorithms
 
 
 @ALL

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..passes import registry
+from ..passes.channels_last import memory_format_for
 
 
 def cast_pass(dtype: torch.dtype, islands: bool = True):
@@ -15,13 +16,14 @@ def cast_pass(dtype: torch.dtype, islands: bool = True):
                          **({} if islands else {"fp32_modules": ()}))
 
 
-def base_passes(dtype: torch.dtype, has_conv: bool, channels_last: bool = True,
+def base_passes(dtype: torch.dtype, model: nn.Module, channels_last: bool = True,
                 islands: bool = True) -> tuple[list, str]:
-    """The eager passes that pay everywhere (as configs), and the memory format for conv nets."""
+    """The eager passes that pay everywhere (as configs), and the memory format: channels_last for
+    2-D/3-D conv nets (a Conv1d-only model such as whisper's or wav2vec2's audio stem has no such layout)."""
     passes = [registry.make(n) for n in ("replace_dropout", "fold_conv_bn", "fold_linear_bn")]
     if dtype != torch.float32:
         passes.append(cast_pass(dtype, islands))
-    if has_conv and channels_last:
+    if channels_last and memory_format_for(model) is not None:
         passes.append(registry.make("channels_last"))
         return passes, "channels_last"
     return passes, "contiguous"

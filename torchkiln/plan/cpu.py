@@ -82,8 +82,8 @@ def eager_gemm_pass(model: nn.Module, dtype: torch.dtype, rows: int | None, note
 
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
-    passes, fmt = base_passes(dtype, has_conv)
-    if has_conv:
+    passes, fmt = base_passes(dtype, model)
+    if fmt == "channels_last":
         notes.append("conv net: channels_last (oneDNN's fastest conv layout)")
     if dtype != torch.float32:
         # inductor's freezing packs low-precision linears into oneDNN itself and fuses

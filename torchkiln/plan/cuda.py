@@ -30,9 +30,11 @@ FP32_ISLANDS = False
 
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
-    passes, fmt = base_passes(dtype, has_conv, islands=FP32_ISLANDS)
+    passes, fmt = base_passes(dtype, model, islands=FP32_ISLANDS)
     if has_conv:
-        notes.append("conv net: channels_last (cuDNN's tensor-core conv layout), cuDNN autotuned algorithms")
+        notes.append("conv net: cuDNN autotuned algorithms")
+    if fmt == "channels_last":
+        notes.append("conv net: channels_last (cuDNN's tensor-core conv layout)")
         if dtype in (torch.bfloat16, torch.float16):
             # The tensor-core kernels want 8 input channels (passes/pad_conv_channels.py has the figures).
             passes.append(registry.make("pad_conv_channels"))

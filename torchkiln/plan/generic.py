@@ -18,7 +18,7 @@ def choose_dtype(hw: Hardware, device: str, dtype: torch.dtype):
 
 def plan(model, hw: Hardware, device, dtype, level, has_conv, batch, notes, rows=None) -> Recipe:
     dev_type = torch.device(device).type
-    passes, fmt = base_passes(dtype, has_conv, channels_last=dev_type == "xpu")
+    passes, fmt = base_passes(dtype, model, channels_last=dev_type == "xpu")
     notes.append(f"{dev_type}: generic recipe (no device-specific tuning yet)")
     # MPS inductor support is young; compile is tried and falls back if it fails.
     return Recipe(device=device, dtype_mode="cast" if dtype != torch.float32 else "none",
