@@ -143,3 +143,35 @@ def test_a_float64_model_is_never_computed_in_float32():
         want = model(x)
         for c in fast._cands:
             torch.testing.assert_close(c.make()(x), want, rtol=1e-12, atol=1e-12)  # float32: ~1e-7
+
+
+def test_a_cuda_graph_recipe_adds_a_captured_candidate_sharing_the_plain_ones_compile(monkeypatch):
+    """captured.py replays the no-graph compiled model from hand-captured graphs: one compile for both
+    candidates, built here without a GPU (nothing runs until a call)."""
+    from torchkiln import candidates as cand_mod
+    from torchkiln.captured import Captured
+    from torchkiln.recipe import Recipe
+
+    made = []
+
+    def fake_compile(model, options, **kw):
+        made.append(dict(options))
+        return torch.nn.Identity()
+    monkeypatch.setattr(cand_mod, "compile_model", fake_compile)
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(cand_mod.KilnBuild, "runner", lambda self: model)  # (the real one moves it to the GPU)
+    for graphs in (True, False):
+        recipe = Recipe(device="cuda:0", dtype="float32", dtype_mode="none", compile=True, cuda_graphs=graphs,
+                        compile_options=(("freezing", True),))
+        cands = {c.name: c for c in cand_mod.candidates(model, recipe, None, False, "torchkiln", [])}
+        if not graphs:  # no sample fixes the shapes: no graph candidate of either kind
+            assert not [n for n in cands if "CUDA graphs" in n]
+            continue
+        mine = cands["torchkiln compiled (float32) + captured CUDA graphs"]
+        plain = cands["torchkiln compiled (float32)"]
+        assert mine.cuda_graphs and mine.copies and not plain.copies
+        assert not cands["torchkiln compiled (float32) + CUDA graphs"].copies  # the trees' outputs: copied by _serve
+        made.clear()
+        a, b = mine.make(), plain.make()
+        assert isinstance(a.fn, Captured) and a.fn.fn is b.fn and not a.cuda_graphs
+        assert made == [{"freezing": True, "triton.cudagraphs": False}]  # one compile, without the trees

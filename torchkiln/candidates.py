@@ -57,6 +57,7 @@ class Candidate:
     # It runs the original's own tensors at every call (the model as given, or under autocast): a
     # weight change reaches it without a rebuild, so serving it skips the per-call weight check.
     live_weights: bool = False
+    copies: bool = False  # a cuda_graphs callable that makes those copies itself, safely across threads (captured.py)
 
 
 def applied_for(cand: Candidate) -> list[str]:
@@ -79,6 +80,7 @@ class KilnBuild:
         self.fallbacks = fallbacks
         self.applied: list[str] = []
         self._runner: Runner | None = None
+        self.compiled: dict = {}  # (options, fullgraph) -> a compiled model candidates share (_compiled)
 
     def runner(self) -> Runner:
         if self._runner is None:
@@ -153,6 +155,10 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
         for graphs in variants:
             opts = {**base, "triton.cudagraphs": graphs} if rec.device.startswith("cuda") else base
             out.append(_compiled(build, opts, tag, tier, graphs))
+        if rec.cuda_graphs:
+            # The no-graph compiled model again (one compile for both), replayed from CUDA graphs captured
+            # by hand: none of dynamo's or the graph trees' host work per call (captured.py says why).
+            out.append(_compiled(build, {**base, "triton.cudagraphs": False}, tag, tier, False, capture=True))
     if rec.onednn_graph and rec.device == "cpu" and not build.inplace and scheme is not None:
         def int8_modules():  # imported here: the quantization package stays out of float models' imports
             from .quantization.onednn_int8 import OneDNNInt8
@@ -171,28 +177,43 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
     return out
 
 
-def _compiled(build: KilnBuild, opts: dict, tag: str, tier: int, graphs: bool, note: str = "") -> Candidate:
+def _compiled(build: KilnBuild, opts: dict, tag: str, tier: int, graphs: bool, note: str = "",
+              capture: bool = False) -> Candidate:
     """torchkiln's compiled candidate, with its step-downs: allowing graph breaks (where
-    fullgraph fails on one), and inductor's Python wrapper (where the C++ one fails)."""
-    suffix = note + (" + CUDA graphs" if graphs else "")
+    fullgraph fails on one), and inductor's Python wrapper (where the C++ one fails).
+    ``capture``: the compiled model a candidate without graphs builds with these options (the same
+    one: shared through the build), called through hand-captured CUDA graphs (captured.py)."""
+    suffix = note + (" + CUDA graphs" if graphs else "") + (" + captured CUDA graphs" if capture else "")
     dynamic = False if build.recipe.static_shapes else None
     graph_pass = registry.graph_pass(build.recipe.passes)
     if graph_pass is not None:
         opts = {**opts, "pre_grad_custom_pass": graph_pass}
+    key = repr(sorted((k, v) for k, v in opts.items() if k != "pre_grad_custom_pass"))
+
+    def make(fullgraph: bool):
+        def build_call():
+            model = build.compiled.get((key, fullgraph)) if build.recipe.cuda_graphs else None
+            if model is None:
+                model = compile_model(build.runner(), opts, fullgraph=fullgraph, private=True, dynamic=dynamic)
+                if build.recipe.cuda_graphs:  # only the CUDA graph candidates share (a CPU build frees its own)
+                    build.compiled[(key, fullgraph)] = model
+            if capture:
+                from .captured import Captured  # CUDA only: kept out of other recipes' imports
+
+                return build.call(Captured(model, torch.device(build.recipe.device)), False)
+            return build.call(model, graphs)
+        return build_call
 
     def breaks():
-        return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag,
-                         lambda: build.call(compile_model(build.runner(), opts, fullgraph=False, private=True,
-                                                          dynamic=dynamic), graphs), tier, graphs, build.applied)
+        return Candidate(f"torchkiln compiled, graph breaks ({tag}){suffix}", "torchkiln", tag, make(False), tier,
+                         graphs or capture, build.applied, copies=capture)
 
     def python_wrapper():
         plain = {k: v for k, v in opts.items() if k != "cpp_wrapper"}
-        return _compiled(build, plain, tag, tier, graphs, ", Python wrapper")
+        return _compiled(build, plain, tag, tier, graphs, ", Python wrapper", capture)
 
-    return Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag,
-                     lambda: build.call(compile_model(build.runner(), opts, fullgraph=True, private=True,
-                                                      dynamic=dynamic), graphs),
-                     tier, graphs, build.applied, breaks, python_wrapper if opts.get("cpp_wrapper") else None)
+    return Candidate(f"torchkiln compiled ({tag}){suffix}", "torchkiln", tag, make(True), tier, graphs or capture,
+                     build.applied, breaks, python_wrapper if opts.get("cpp_wrapper") else None, copies=capture)
 
 
 def candidates(original: nn.Module, recipe: Recipe, sample, inplace: bool, scope: str,

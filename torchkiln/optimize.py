@@ -319,7 +319,8 @@ class KilnModule(OwnCalls, OriginalFace):
     def _serve(self, fn, args, kwargs, cand: Candidate | None = None):
         self._inference_only()
         grad = torch.is_grad_enabled()
-        if (cand or self._served).cuda_graphs:
+        c = cand or self._served
+        if c.cuda_graphs and not c.copies:
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
@@ -618,7 +619,7 @@ class KilnModule(OwnCalls, OriginalFace):
         warm = 3 if dev.type == "cuda" else 1  # CUDA graph trees record on the 2nd/3rd call
         fns, errors = {}, {}
         for name, fn in passed.items():
-            graphs = self._find(name).cuda_graphs
+            graphs = self._find(name).cuda_graphs and not self._find(name).copies
             call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else \
                 (lambda fn=fn: fn(*args, **kwargs))
             if self._snap is not None and self._snap.changed:  # a model that writes its state or inputs
@@ -772,7 +773,8 @@ class KilnModule(OwnCalls, OriginalFace):
         self._restore()
         wrap = self._snap is not None and self._snap.changed  # a model that writes its state: put back each time
         calls = {}
-        for name, fn, graphs in (("served", self._fn, served.cuda_graphs), ("given", given_fn, False)):
+        for name, fn, graphs in (("served", self._fn, served.cuda_graphs and not served.copies),
+                                 ("given", given_fn, False)):
             call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else (lambda fn=fn: fn(*args, **kwargs))
             if name == "served" and not served.live_weights:  # what each of its calls pays besides: the weight check
                 call = _after(self._watch.changed, call)

@@ -11,7 +11,6 @@ is short of.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import statistics
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..captured import captured
 from ..kernels import cpu_gemv
 from ..modelutil import first_line, is_oom
 from ..quantization import gemv
@@ -123,20 +123,6 @@ class TritonLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         y = gemv.float_linear(x, self.weight)
         return y if self.bias is None else y + self.bias
-
-
-@contextlib.contextmanager
-def captured(g: torch.cuda.CUDAGraph, pool=None):
-    """``torch.cuda.graph(g)`` with cuBLAS's workspaces dropped before and after, as torch's own
-    CUDA-graph trees do (``clear_cublas_manager``). Why: cuBLAS keeps one workspace per stream and a
-    graph bakes its address in. Dropped first, the capture allocates it in the graph's own pool
-    (else it bakes in a block an eager call made, which the compiled step's CUDA-graph trees free
-    when they record); dropped after, no later call or capture on the shared capture stream reuses
-    a workspace that dies with this graph (writes into freed memory: an illegal address on the H200)."""
-    from torch._inductor.cudagraph_trees import clear_cublas_manager
-
-    with clear_cublas_manager(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-        yield
 
 
 def graph_times(forms: dict, weights: list[torch.Tensor], rounds: int = 5) -> dict[str, float]:

@@ -19,8 +19,9 @@ from typing import NamedTuple
 import torch
 
 from .._log import quiet_deprecations, warn_once
+from ..captured import captured
 from ..modelutil import first_line, is_oom
-from .model import FastDecoder, captured, fresh
+from .model import FastDecoder, fresh
 
 log = logging.getLogger(__name__)
 CACHE_ROUND = 256  # cache lengths grow in multiples of this: each new length compiles once
