@@ -1032,6 +1032,14 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
     if not isinstance(time_budget, (int, float)) or time_budget < 0:
         raise ValueError(f"time_budget={time_budget!r} must be a number of seconds >= 0 (default 2.0)")
     if optimizer is not None:
+        given_inference = {k: v for k, v in (("quantize", quantize), ("calib_data", calib_data),
+                                             ("eval_data", eval_data)) if v is not None}
+        if candidates != "auto":
+            given_inference["candidates"] = candidates
+        if given_inference:  # ignored silently, they read as applied (a new-user probe, thirty-seventh session)
+            raise ValueError(f"{', '.join(f'{k}=' for k in given_inference)} serve inference and cannot be used "
+                             "with optimizer= (training); for a quantized model to serve, train first, then "
+                             "tk.optimize(model.eval(), quantize=...), or quantize-aware training outside torchkiln")
         from .training import optimize_training
 
         return optimize_training(model, optimizer, dtype, level, sample_input, device, verify, time_budget, knobs)

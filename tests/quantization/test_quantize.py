@@ -119,7 +119,7 @@ def test_int4_says_why_it_took_no_linear_and_what_group_size_would():
     class Narrow(nn.Sequential):  # a class of its own: the warning is once per model class and scheme
         pass
 
-    m = Narrow(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    m = Narrow(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).eval()
     with pytest.warns(UserWarning, match=r"2 linears \(out x in 10x128, 128x64\).*group_size=128.*group_size=64"):
         assert tk.quantize(m, "int4-weight-only") is m
 
@@ -681,3 +681,30 @@ def test_quantizing_a_quantized_model_is_a_clear_error():
     plain[0].weight = nn.Parameter(q[0].weight.detach(), requires_grad=False)  # a torchao weight, by hand
     with pytest.raises(ValueError, match=r"quantized already \(0's weight is a "):
         tk.quantize(plain, "int8-weight-only", progress=False)
+
+
+def test_a_model_in_training_mode_is_refused_and_left_as_it_was():
+    """Calibrating in training mode updated the caller's BatchNorm statistics and baked the drifted ones
+    into the quantized model, whose report then read 47-49 dB against 13-26 dB on the eval-mode model
+    (a new-user probe, thirty-seventh session)."""
+    m = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16))  # a fresh module: training mode
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError, match=r"submodule '1' is in training mode.*model\.eval\(\) before tk\.quantize"):
+        tk.quantize(m, "int8-weight-only", calib_data=data(), progress=False)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items()) and m.training
+    quiet(tk.quantize, nn.Sequential(nn.Linear(64, 16)), "int8-weight-only", progress=False)  # nothing mode-dependent
+
+
+@needs.pt2e
+def test_an_exported_model_refuses_casts_and_names_the_shapes_it_takes():
+    q = quiet(tk.quantize, mlp(), "int8-static", calib_data=data(), progress=False)
+    x = torch.randn(8, 64)
+    ref = q(x)
+    with pytest.raises(RuntimeError, match=r"int8-static model is a graph lowered for float32 on cpu.*float16"):
+        q.half()
+    assert q.float() is q and q.cpu() is q and q.to(torch.float32) is q  # no-ops
+    torch.testing.assert_close(q(x), ref)  # still answers (a .half() used to break every later call)
+    with pytest.raises(ValueError, match=r"exported for inputs shaped \[\(8, 64\)\].*got \[\(2, 8, 64\)\]"):
+        q(torch.randn(2, 8, 64))
+    with pytest.raises(ValueError, match=r"got \[\(8, 63\)\]"):
+        q(torch.randn(8, 63))

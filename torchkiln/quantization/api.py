@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import inputs
 from .._log import quiet_deprecations, warn_once
-from ..modelutil import is_causal_lm, model_device, model_dtype
+from ..modelutil import dtype_name, is_causal_lm, model_device, model_dtype, tensors, training_module
 from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
 from .config import GROUP_SIZES, QuantConfig, make
@@ -64,12 +64,40 @@ class QuantizedGraph(nn.Module):
             a, k = self.kiln_quant.sample or ((), {})
             raise TypeError(f"{e}. A pt2e-quantized model takes the arguments it was calibrated with: "
                             f"{len(a)} positional and keywords {sorted(k)}") from e
+        except (AssertionError, IndexError) as e:
+            # torch.export's shape guards ("Guard failed: input.size()[1] == 64") name no argument
+            if isinstance(e, AssertionError) and "Guard failed" not in str(e) or \
+                    _shapes(args, kwargs) == _shapes(*(self.kiln_quant.sample or ((), {}))):
+                raise
+            raise ValueError(f"this {self.kiln_quant.config.scheme} model was exported for inputs shaped "
+                             f"{_shapes(*(self.kiln_quant.sample or ((), {})))} (dimensions other than the "
+                             f"batch are fixed, as is each input's rank); got {_shapes(args, kwargs)}. Quantize "
+                             "with calib_data shaped like the inputs it will serve") from e
 
     def train(self, mode: bool = True):
         # An exported graph has no train/eval switch (torch raises on it): it was converted
         # for inference. Only this wrapper's flag changes.
         self.training = mode
         return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .half(), .to(dtype), .cuda(), ...: the converted graph runs the int8 kernels it was lowered
+        # for, around float32 it was exported in, on that device. A cast changed its float weights in
+        # place and every later call raised a dtype mismatch, from any input (a new-user probe,
+        # thirty-seventh session). Judged on an empty tensor of each kind it holds: no-ops pass.
+        for dtype, device in {(t.dtype, t.device) for t in tensors(self.graph)}:
+            probe = torch.empty(0, dtype=dtype, device=device)
+            out = fn(probe)
+            if out is not probe and (out.dtype != dtype or out.device != device):
+                raise RuntimeError(
+                    f"this {self.kiln_quant.config.scheme} model is a graph lowered for {dtype_name(dtype)} on "
+                    f"{device}; casting or moving it (to {dtype_name(out.dtype)} on {out.device}) would break "
+                    "it. Quantize the floating-point model there instead: tk.quantize(model.to(...), ...)")
+        return self
+
+
+def _shapes(args, kwargs) -> list:
+    return [tuple(t.shape) for t in inputs.flatten((args, kwargs))]
 
 
 class Prepared(nn.Module):
@@ -222,6 +250,12 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
     _refuse_quantized(model, scheme)
+    training = training_module(model)
+    if training is not None:  # calibration would update its BatchNorm statistics, in the caller's model
+        where = "the model" if training == "" else f"submodule {training!r}"
+        raise ValueError(f"{where} is in training mode: quantization serves inference, and calibrating in "
+                         "training mode would update the caller's BatchNorm running statistics (and quantize "
+                         "dropout's random outputs). Call model.eval() before tk.quantize(model, ...)")
     config = make(scheme, **options)
     data = calibrate.batches(calib_data, "calib_data")
     if config.needs_calibration and not data:
