@@ -103,9 +103,13 @@ def test_checkpoints_load_both_ways():
     train(plain, plain_opt, 3, seed=5)
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    # The reverse: a stock checkpoint into the optimized pair.
+    # The reverse: a stock checkpoint into the optimized pair, which stays fused (loading put the stock
+    # optimizer's fused=None back, and the fused step was gone: a new-user probe, thirty-seventh session).
+    fused = all(g["fused"] for g in opt.param_groups)  # where torch has a fused AdamW step for this device
     fast.load_state_dict(plain.state_dict())
     opt.load_state_dict(plain_opt.state_dict())
+    assert plain_opt.param_groups[0]["fused"] is None
+    assert all(g["fused"] is fused for g in opt.param_groups)
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -564,3 +568,20 @@ def test_a_conv_bias_before_batchnorm_does_not_fail_the_float32_guard():
     x = torch.randn(8, 3, 16, 16)
     fast, opt = tk.optimize(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.05), sample_input=x)
     assert fast.kiln_report.guard["ok"], fast.kiln_report.guard  # (a real error still fails: the tests above)
+
+
+def test_a_bad_first_batch_is_the_callers_error_and_leaves_the_compiled_step_in_the_running():
+    """One bad first call counted against the compiled step, and training stayed eager for good; a bad
+    sample_input only warned (a new-user probe, thirty-seventh session)."""
+    model = net()
+    fast, _ = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    x, _y = data()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # as eager raises it
+        fast(x[:, :-1])
+    assert fast.kiln_report.fallbacks == [] and fast._fn is None  # nothing decided yet
+    fast(x)
+    compiled = next(m for m in fast.kiln_report.candidates if m.name.startswith("compiled"))
+    assert compiled.status in ("served", "passed"), fast.kiln_report
+    with pytest.raises(ValueError, match=r"^sample_input does not run through the model: RuntimeError: mat1"):
+        other = net()
+        tk.optimize(other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), sample_input=x[:, :-1])

@@ -20,7 +20,7 @@ from torch import nn
 from .. import inputs
 from .._log import warn_once
 from ..hardware import detect
-from ..modelutil import model_device, parse_dtype
+from ..modelutil import first_line, is_oom, model_device, parse_dtype
 from ..report import Report
 from ..runtime import allocator as _allocator
 from . import fuse as _fuse
@@ -76,7 +76,14 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     tm = TrainModule(model, recipe, report, verify, float(time_budget), splitter)
     if sample_input is not None and recipe.compile:
         args, kwargs = inputs.to(inputs.normalize(sample_input), here)
-        tm._setup(args, kwargs)
+        try:
+            tm._setup(args, kwargs)
+        except Exception as e:
+            if is_oom(e):
+                raise
+            raise ValueError(f"sample_input does not run through the model: {type(e).__name__}: {first_line(e)}. "
+                             "Pass a batch the model accepts (as a tensor, a tuple of arguments or a dict of "
+                             "keyword arguments)") from e
     elif not recipe.compile:
         tm._keep_memory()  # no candidates to build: the step's memory settings now
     report.optimize_seconds = round(time.perf_counter() - t0, 3)

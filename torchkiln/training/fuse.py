@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
 from ..modelutil import dtype_name
+
+_REFUSED: weakref.WeakSet = weakref.WeakSet()  # optimizers fused again after each load_state_dict
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,7 +64,15 @@ def choose(optimizer: torch.optim.Optimizer, level: str) -> tuple[str, str]:
 
 
 def fuse(optimizer: torch.optim.Optimizer) -> None:
-    """Switch ``optimizer`` (which ``choose`` said "fused" for) to torch's fused step, in place."""
+    """Switch ``optimizer`` (which ``choose`` said "fused" for) to torch's fused step, in place, and
+    again after each ``load_state_dict``: a checkpoint saved from the stock optimizer carries
+    ``fused=None`` in its param groups, which loading put back, and the fused step was gone (a
+    new-user probe, thirty-seventh session). The flags choose kernels, not numbers."""
+    if optimizer not in _REFUSED:
+        hook = getattr(optimizer, "register_load_state_dict_post_hook", None)  # torch >= 2.3
+        if hook is not None:
+            hook(fuse)
+            _REFUSED.add(optimizer)
     for g in optimizer.param_groups:
         g["fused"], g["foreach"] = True, False
     optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False

@@ -68,6 +68,14 @@ class AutocastStep(nn.Module):
         return inputs.tree_map(lambda t: t.to(out_dtype) if t.is_floating_point() else t, out)
 
 
+class InputsRejected(Exception):
+    """The float32 eager step itself failed on a setup call's inputs: the caller's error."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
 class TrainModule(OriginalFace):
     def __init__(self, original: nn.Module, recipe: TrainRecipe, report: Report, verify: str, time_budget: float,
                  split=None):
@@ -219,6 +227,11 @@ class TrainModule(OriginalFace):
         what = "rejected"
         try:
             ok, why = self._verify(args, kwargs) if self._opts["verify"] != "off" else (True, "")
+        except InputsRejected as e:
+            # The caller's error, as eager raises it; nothing is decided, the next call sets up again. Counted
+            # against the compiled step, one bad first batch left training eager for good (a new-user probe,
+            # thirty-seventh session).
+            raise e.error.with_traceback(e.error.__traceback__) from None
         except Exception as e:
             if is_oom(e):
                 raise
@@ -278,7 +291,9 @@ class TrainModule(OriginalFace):
                 # on the H200: tk.optimize peaked at 33 GiB where the stock autocast step takes 13), so a model
                 # that trains in low precision may not fit it. Then the eager step in the served precision is
                 # the reference, with that precision's cap as the tolerance, and the report says so.
-                if not (is_oom(e) and dtype != torch.float32):
+                if not is_oom(e):
+                    raise InputsRejected(e) from e
+                if dtype == torch.float32:
                     raise
                 truth = f"eager {rec.dtype} (the float32 reference step ran out of device memory)"
             if ref is None:  # outside the except block: its traceback no longer holds the failed step's tensors
