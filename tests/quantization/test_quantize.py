@@ -708,3 +708,19 @@ def test_an_exported_model_refuses_casts_and_names_the_shapes_it_takes():
         q(torch.randn(2, 8, 64))
     with pytest.raises(ValueError, match=r"got \[\(8, 63\)\]"):
         q(torch.randn(8, 63))
+
+
+def test_bad_min_sqnr_eval_data_and_device_are_named():
+    """Found by a new-user probe (thirty-seventh session): each raised without naming the argument."""
+    with pytest.raises(ValueError, match=r"min_sqnr='high' must be a number of dB.*default for int8-weight-only"):
+        tk.quantize(mlp(), "int8-weight-only", min_sqnr="high")
+    with pytest.raises(TypeError, match=r"eval_data batch 0 does not fit"):
+        tk.quantize(mlp(), "int8-weight-only", eval_data=[(torch.randn(8, 64), torch.randn(8, 64))], progress=False)
+    with pytest.raises(RuntimeError, match=r"^eval_data: batch 0 was rejected by the model"):
+        quiet(tk.quantize, mlp(), "int8-weight-only", eval_data=[torch.randn(8, 60)], progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda:0' is not usable.*usable devices"):
+            tk.quantize(mlp(), "int8-weight-only", device="cuda")
+    m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    with pytest.raises(ValueError, match=r"training mode.*torchkiln.quantization.prepare\(model"):
+        tk.quantization.prepare(m, "int8-static", example_inputs=torch.randn(4, 8))

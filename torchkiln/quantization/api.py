@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import inputs
 from .._log import quiet_deprecations, warn_once
+from ..hardware import resolve_device
 from ..modelutil import dtype_name, is_causal_lm, model_device, model_dtype, tensors, training_module
 from . import calibrate, fallback, gptq, pt2e_flow, smoothquant, weight_only
 from .accuracy import AccuracyReport, measure, padding_mask
@@ -174,8 +175,9 @@ def prepare(model: nn.Module, config="int8-static", example_inputs=None, device=
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() expects a torch.nn.Module, got {type(model).__name__}")
     _refuse_quantized(model, config)
+    _refuse_training(model, "torchkiln.quantization.prepare")
     config = make(config, **options)
-    dev = torch.device(device) if device is not None else model_device(model)
+    dev = resolve_device(device) if device is not None else model_device(model)  # a clear error if not usable
     config = _keep_under(model, config, fallback.targets(model, config, _backend(config, dev, model)))
     sample = inputs.normalize(example_inputs) if example_inputs is not None else None
     return _prepare(model, config, sample, dev)
@@ -250,19 +252,14 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize() expects a torch.nn.Module, got {type(model).__name__}")
     _refuse_quantized(model, scheme)
-    training = training_module(model)
-    if training is not None:  # calibration would update its BatchNorm statistics, in the caller's model
-        where = "the model" if training == "" else f"submodule {training!r}"
-        raise ValueError(f"{where} is in training mode: quantization serves inference, and calibrating in "
-                         "training mode would update the caller's BatchNorm running statistics (and quantize "
-                         "dropout's random outputs). Call model.eval() before tk.quantize(model, ...)")
+    _refuse_training(model, "tk.quantize")
     config = make(scheme, **options)
     data = calibrate.batches(calib_data, "calib_data")
     if config.needs_calibration and not data:
         what = "chooses its rounding from the inputs (gptq=True)" if config.gptq else "calibrates activation ranges"
         raise ValueError(f"scheme {config.scheme!r} {what}: calib_data must hold at least one batch (a list of "
                          "tensors, tuples or dicts), got " + ("nothing" if calib_data is None else "an empty iterable"))
-    dev = torch.device(device) if device is not None else model_device(model)
+    dev = resolve_device(device) if device is not None else model_device(model)  # a clear error if not usable
     backend = _backend(config, dev, model)
     config = _resolved(config, backend, bool(data))
     names = fallback.targets(model, config, backend)
@@ -283,11 +280,25 @@ def quantize(model: nn.Module, scheme, calib_data=None, sample_input=None, eval_
     if backend == "pt2e":  # export's own error for a batch the model rejects is unreadable
         calibrate.check_runs(model, sample, "sample_input" if sample_input is not None else "calib_data")
     evals, on = _evals(data, eval_data, sample, config)
+    if eval_data is not None:
+        calibrate.check_fits(model, evals, "eval_data")
     prepared = _prepare(model, config, sample, dev)
     if prepared.backend == "pt2e" and config.scheme == "int8-smoothquant":
         prepared = _resmoothed(prepared, data)
     calibrate.run(prepared, data, "cpu", "calibrating", show=progress)  # Prepared moves batches itself
     return _convert(prepared, prepared.config, data, evals, progress, first=True, measured_on=on)
+
+
+def _refuse_training(model: nn.Module, call: str) -> None:
+    """Calibrating in training mode updated the caller's BatchNorm statistics and baked the drifted ones
+    into the quantized model, whose report then compared against them (a new-user probe, thirty-seventh
+    session)."""
+    training = training_module(model)
+    if training is not None:
+        where = "the model" if training == "" else f"submodule {training!r}"
+        raise ValueError(f"{where} is in training mode: quantization serves inference, and calibrating in "
+                         "training mode would update the caller's BatchNorm running statistics (and quantize "
+                         f"dropout's random outputs). Call model.eval() before {call}(model, ...)")
 
 
 def _refuse_quantized(model: nn.Module, scheme) -> None:
@@ -365,7 +376,8 @@ def _convert(prepared: Prepared, config: QuantConfig, data, evals, progress: boo
     was_training = model.training
     model.eval()
     try:
-        refs = calibrate.run(model, evals, prepared.device, "fp32 reference", show=False) if evals else []
+        what = "eval_data" if measured_on == "eval_data" else "fp32 reference"  # a bad eval batch names eval_data
+        refs = calibrate.run(model, evals, prepared.device, what, show=False) if evals else []
         qmodel, report = _attempt(prepared, config, data, evals, refs, progress, reuse=first)
         if not report.passed and config.auto_fallback and evals:
             qmodel, report = _fall_back(prepared, config, data, evals, refs, progress, qmodel, report)

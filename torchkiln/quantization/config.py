@@ -61,7 +61,14 @@ class QuantConfig:
         if self.gptq and self.backend not in ("auto", "kernels"):
             raise ValueError(f"gptq=True builds torchkiln's weight-only layers (backend 'kernels'), not "
                              f"backend={self.backend!r}; use backend='auto'")
-        if not 0.0 <= self.max_keep_fraction <= 1.0:
+        if self.min_sqnr is not None and (isinstance(self.min_sqnr, bool) or
+                                          not isinstance(self.min_sqnr, (int, float)) or self.min_sqnr != self.min_sqnr):
+            raise ValueError(f"min_sqnr={self.min_sqnr!r} must be a number of dB (higher is stricter; the default "
+                             f"for {self.scheme} is {DEFAULT_MIN_SQNR[self.scheme]:g}) or None for that default")
+        for name in ("auto_fallback",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.max_keep_fraction, (int, float)) or not 0.0 <= self.max_keep_fraction <= 1.0:
             raise ValueError(f"max_keep_fraction={self.max_keep_fraction!r} must be between 0 and 1")
         object.__setattr__(self, "keep", tuple(self.keep))
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import inputs
+from .._log import warn_once
 from ..progress import ticks
 from .accuracy import padding_mask
 from .calibrate import layer_inputs
@@ -40,9 +41,11 @@ HESSIAN_BYTES = 1 << 30  # H matrices collected per calibration pass (Llama-3-8B
 Quantizer = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def hessians(model: nn.Module, names: list[str], data: list[inputs.Args], device) -> dict[str, torch.Tensor]:
+def hessians(model: nn.Module, names: list[str], data: list[inputs.Args], device,
+             short: list | None = None) -> dict[str, torch.Tensor]:
     """E[x xᵀ] of each named Linear's input over ``data``, run through the float ``model``;
-    positions a batch's ``attention_mask`` marks as padding are left out."""
+    positions a batch's ``attention_mask`` marks as padding are left out. A layer with fewer input
+    rows than inputs gets the identity instead, listed in ``short`` as (name, rows, inputs)."""
     acc: dict[str, torch.Tensor] = {}
     rows = dict.fromkeys(names, 0)
     for batch in data:
@@ -61,6 +64,16 @@ def hessians(model: nn.Module, names: list[str], data: list[inputs.Args], device
     missing = [n for n in names if n not in acc]
     if missing:
         raise ValueError(f"GPTQ: the calibration data never reached {missing[:3]}; pass batches that run the whole model")
+    for n in names:
+        k = acc[n].shape[0]
+        if rows[n] < k:
+            # Fewer input rows than input features: H is singular, and GPTQ fits its rounding to those rows.
+            # An MLP's 64-input layer calibrated on 32 rows read 18.4 dB SQNR on held-out rows against
+            # nearest rounding's 20.5 (22.5 vs 20.5 at 256 rows; a new-user probe, thirty-seventh session).
+            # An identity H makes GPTQ's solve plain nearest rounding (no error is carried across columns).
+            if short is not None:
+                short.append((n, rows[n], k))
+            acc[n] = torch.eye(k, device=acc[n].device) * rows[n]
     return {n: acc[n] / rows[n] for n in names}
 
 
@@ -145,12 +158,19 @@ def codes_for(model: nn.Module, names: list[str], scheme: str, group: int | dict
         size += b
     if cur:
         chunks.append(cur)
+    short: list[tuple[str, int, int]] = []
     with ticks(show, "GPTQ", len(names)) as tick, torch.no_grad():
         for chunk in chunks:
-            hs = hessians(model, chunk, data, device)
+            hs = hessians(model, chunk, data, device, short)
             for n in chunk:
                 g = group[n] if isinstance(group, dict) else group
                 out[n] = layer_codes(weights[n].detach().to(device), hs.pop(n), scheme, g)
                 if tick is not None:
                     tick()
+    if short:
+        n, r, k = short[0]
+        warn_once(f"gptq-short:{n}:{r}", f"torchkiln: GPTQ needs at least as many calibration rows (tokens) as a "
+                  f"layer has inputs; {len(short)} layer(s) got fewer ({n}: {r} rows, {k} inputs) and are rounded "
+                  "to nearest instead (fitted to too few rows, GPTQ's rounding was worse on other inputs). Pass "
+                  "more calib_data for GPTQ there")
     return out
