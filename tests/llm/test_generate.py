@@ -849,7 +849,8 @@ def test_gptq_from_calibration_prompts():
     from torchkiln.quantization.weight_only import Int4Linear
 
     model = build("llama", seed=24)
-    calib = [prompt(seed=s) for s in (25, 26, 27)]
+    # 120 tokens: at least every projection's inputs (96: down_proj), else gptq.py rounds that layer to nearest
+    calib = [prompt(length=40, seed=s) for s in (25, 26, 27)]
     q = tk.llm.optimize(model, dtype=torch.float32, quant="int4", compile=False, calib_data=calib)
     rep = q.kiln_report
     assert rep.quant_rounding == "gptq" and rep.quant_layers == 2 * 4
