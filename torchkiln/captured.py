@@ -28,6 +28,7 @@ from ._log import warn_once
 from .inputs import clone, flatten, signature
 from .modelutil import PLAIN, first_line, is_oom
 
+_NONE = object()
 MAX_GRAPHS = 4  # signatures captured; later ones run the compiled model without a graph
 
 
@@ -69,9 +70,9 @@ class Captured:
         if entry is None:
             if sig in self._graphs or len(self._graphs) >= MAX_GRAPHS:
                 return self.fn(*args, **kwargs)
-            entry = self._capture(sig, args, kwargs)
+            entry, answer = self._capture(sig, args, kwargs)
             if entry is None:
-                return self.fn(*args, **kwargs)
+                return answer if answer is not _NONE else self.fn(*args, **kwargs)
         with self._lock:
             stream = torch.cuda.current_stream(self.device)
             if self._done is not None:
@@ -86,18 +87,26 @@ class Captured:
             self._done = stream.record_event(self._done)
         return out
 
-    def _capture(self, sig, args, kwargs) -> _Graph | None:
+    def _capture(self, sig, args, kwargs) -> tuple[_Graph | None, object]:
         """The first call at a signature: compiles (and Triton autotunes, cuBLAS sets up) outside any
-        capture, then captures; the call answers from the graph, so what the guard verifies is a replay."""
+        capture, then captures; the call answers from the graph, so what the guard verifies is a replay.
+        Returns (the graph or None, the call's answer where it must not run again, else _NONE)."""
         why = self._uncapturable(args, kwargs)
         with self._lock:
             if sig in self._graphs:  # another thread's first call at it
-                return self._graphs[sig]
-            entry = None
+                return self._graphs[sig], _NONE
+            entry, answer = None, _NONE
             if why is None:
                 try:
-                    self.fn(*args, **kwargs)
-                    entry = self._record(args, kwargs)
+                    given = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+                    before = [t.clone() for t in given]
+                    out = self.fn(*args, **kwargs)
+                    if any(not torch.equal(b, t) for b, t in zip(before, given, strict=True)):
+                        # Replays would write into the static copies, not the caller's tensors (inductor's
+                        # graph trees skip such models too); this call was the caller's one call.
+                        why, answer = "the model writes into its inputs", out
+                    else:
+                        entry = self._record(args, kwargs)
                 except Exception as e:  # noqa: BLE001 (the compiled model runs these calls without a graph)
                     if is_oom(e):
                         raise
@@ -107,7 +116,7 @@ class Captured:
                 warn_once(f"captured:{id(self)}:{why}", f"torchkiln: no CUDA graph for these inputs ({why}); "
                           "they run the compiled model without one", owner=self)
             self._graphs[sig] = entry
-        return entry
+        return entry, answer
 
     def _uncapturable(self, args, kwargs) -> str | None:
         for v in (*args, *kwargs.values()):
