@@ -842,6 +842,19 @@ def test_lookup_follows_the_earliest_longest_match():
     assert lookup([1, 2, 3], k=2, ngram=2) == []                            # no earlier occurrence
 
 
+def test_projections_short_of_calibration_tokens_are_reported_as_rounded_to_nearest():
+    """gptq.py rounds a layer to nearest when its calibration rows are fewer than its inputs; the report
+    said "gptq" all the same."""
+    model = build("llama", seed=24)
+    with pytest.warns(UserWarning, match=r"2 layer\(s\) got fewer .*80 rows, 96 inputs"):
+        q = tk.llm.optimize(model, dtype=torch.float32, quant="int4", compile=False,
+                            calib_data=[prompt(length=40, seed=s) for s in (25, 26)])  # 80 tokens: down_proj has 96
+    assert q.kiln_report.quant_rounding == "gptq (2 of 8 projections nearest: fewer calibration tokens than inputs)"
+    with pytest.warns(UserWarning, match=r"8 layer\(s\) got fewer"):
+        q = tk.llm.optimize(model, dtype=torch.float32, quant="int4", compile=False, calib_data=[prompt(seed=25)])
+    assert q.kiln_report.quant_rounding == "nearest"
+
+
 def test_gptq_from_calibration_prompts():
     """With calib_data the projections take GPTQ's codes for the second moment of their input in the model's
     own forward: recomputed here, for layer 0's fused q/k/v, with a hook of the test's own on the model's q_proj."""

@@ -53,7 +53,7 @@ class LLMReport:
     verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
     quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
-    quant_rounding: str | None = None    # "gptq" (calib_data given) or "nearest"
+    quant_rounding: str | None = None    # "gptq" (calib_data given), "nearest", or "gptq (N of M ... nearest ...)"
     setup_s: float = 0.0
     compile_s: list = dataclasses.field(default_factory=list)
     cache: dict | None = None
@@ -273,8 +273,12 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
     report.spec = spec.to_dict()
     reference = _verify(work, runner, dtype, report)
     if quant is not None:
-        codes = gptq_codes(work, decoder, quant, calib, target) if calib else None
+        short: list = []
+        codes = gptq_codes(work, decoder, quant, calib, target, short) if calib else None
         report.quant_rounding = "gptq" if calib else "nearest"
+        if codes is not None and short:  # calibration too short for those: rounded to nearest (gptq.py)
+            report.quant_rounding = "nearest" if len(short) == len(codes) else \
+                f"gptq ({len(short)} of {len(codes)} projections nearest: fewer calibration tokens than inputs)"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
         if target.type == "cpu" and compile and quant == "int8":
             head = decoder.head

@@ -29,9 +29,11 @@ def _int4_group(lin: nn.Linear) -> int | None:
     return next((g for g in INT4_GROUPS if lin.in_features % g == 0), None)
 
 
-def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device) -> dict[int, tuple]:
+def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device,
+               short: list | None = None) -> dict[int, tuple]:
     """id(projection) -> its GPTQ codes (quantization/gptq.py) for every layer projection of ``decoder``,
-    with the second moments of its inputs collected by running the model's own forward over ``data``."""
+    with the second moments of its inputs collected by running the model's own forward over ``data``
+    (``short``: gptq.codes_for's, the projections rounded to nearest for want of calibration tokens)."""
     names = {id(m): n for n, m in model.named_modules()}
     jobs = {names[id(src)]: getattr(layer, attr) for layer in decoder.layers for attr, src in layer.sources.items()}
     groups = {n: _int4_group(lin) for n, lin in jobs.items()}
@@ -40,7 +42,7 @@ def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: t
     groups = {n: g or INT4_GROUPS[-1] for n, g in groups.items()}  # int8 ignores the group
     scheme = "int4-weight-only" if quant == "int4" else "int8-weight-only"
     codes = gptq.codes_for(model, list(jobs), scheme, groups, data, device, show=False,
-                           weights={n: lin.weight for n, lin in jobs.items()})
+                           weights={n: lin.weight for n, lin in jobs.items()}, short=short)
     return {id(jobs[n]): c for n, c in codes.items()}
 
 

@@ -140,11 +140,13 @@ def layer_codes(weight: torch.Tensor, h: torch.Tensor, scheme: str, group: int) 
 
 
 def codes_for(model: nn.Module, names: list[str], scheme: str, group: int | dict[str, int], data: list[inputs.Args],
-              device, show: bool = True, weights: dict[str, torch.Tensor] | None = None) -> dict[str, tuple]:
+              device, show: bool = True, weights: dict[str, torch.Tensor] | None = None,
+              short: list | None = None) -> dict[str, tuple]:
     """name -> layer_codes for each named module of the float ``model``, whose input H is collected
     over ``data``. ``weights``: name -> the weight to quantize against that input (default: the
     module's own; the LLM path passes its fused projections); ``group``: one, or per name. H is
-    collected for as many layers per calibration pass as fit in HESSIAN_BYTES."""
+    collected for as many layers per calibration pass as fit in HESSIAN_BYTES. ``short`` (a list) gets
+    (name, rows, inputs) of each layer rounded to nearest for want of calibration rows."""
     mods = dict(model.named_modules())
     weights = weights or {n: mods[n].weight for n in names}
     out: dict[str, tuple] = {}
@@ -158,7 +160,7 @@ def codes_for(model: nn.Module, names: list[str], scheme: str, group: int | dict
         size += b
     if cur:
         chunks.append(cur)
-    short: list[tuple[str, int, int]] = []
+    short = [] if short is None else short
     with ticks(show, "GPTQ", len(names)) as tick, torch.no_grad():
         for chunk in chunks:
             hs = hessians(model, chunk, data, device, short)
