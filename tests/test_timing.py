@@ -73,8 +73,10 @@ def test_blocks_are_sized_by_a_warm_call_not_a_cold_first_one():
         return run
     t = blocks({"warm": call("warm"), "cold": call("cold")}, CPU, budget=0.12, rounds=2)
     per_block = {k: (seen[k] - 3) / 3 for k in seen}  # three sizing calls, then a warm-up block and 2 rounds
-    assert per_block["cold"] == per_block["warm"] >= 5
-    assert len(t["cold"]) == len(t["warm"]) == 2 * per_block["warm"]  # each call of a timed block a sample
+    # alike within one call (a 1-ms sleep's own jitter moved one size 8 -> 9 in a CI run); sized by the cold
+    # first call, the cold one's blocks would be about half the warm one's
+    assert min(per_block.values()) >= 5 and abs(per_block["cold"] - per_block["warm"]) <= 1, per_block
+    assert all(len(t[k]) == 2 * per_block[k] for k in t)  # each call of a timed block a sample
     assert abs(statistics.median(t["cold"]) - statistics.median(t["warm"])) < 0.0005  # and read alike
 
 
