@@ -59,6 +59,11 @@ class Candidate:
     live_weights: bool = False
     copies: bool = False  # a cuda_graphs callable that makes those copies itself, safely across threads (captured.py)
 
+    @property
+    def copy_outputs(self) -> bool:
+        """Its outputs live in a graph pool, and the caller copies them out (one call at a time)."""
+        return self.cuda_graphs and not self.copies
+
 
 def applied_for(cand: Candidate) -> list[str]:
     """What the report lists as applied when ``cand`` serves: the build's passes, less those that act

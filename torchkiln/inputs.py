@@ -103,6 +103,11 @@ def _map_model_output(fn, obj):
     return new
 
 
+def shapes(args, kwargs) -> list[tuple[int, ...]]:
+    """The shapes of a call's tensors, in ``flatten``'s order (for reports and messages)."""
+    return [tuple(t.shape) for t in flatten((args, kwargs))]
+
+
 def flatten(obj) -> list[torch.Tensor]:
     """Every tensor in an output, in a stable order (for numeric comparison). A dataclass that is no
     pytree node (a model's own output class) is walked field by field: as a leaf it gave the guard no

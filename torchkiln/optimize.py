@@ -198,13 +198,14 @@ class KilnModule(OwnCalls, OriginalFace):
             fn = self._fn
             new_shape, sig = self._check_shape(args, kwargs)
         if self._detours:
-            detour = self._detours.get(sig or inputs.signature(args, kwargs))
+            sig = sig or inputs.signature(args, kwargs)
+            detour = self._detours.get(sig)
             if detour is not None and (detour.until is None or detour.until()):
                 if not detour.cand.live_weights and self._stale():
                     return self._refreshed(args, kwargs)
                 return self._serve(detour.fn, args, kwargs, detour.cand)
             if detour is not None:  # its cause has passed: these calls go back to the served form
-                self._end_detour(sig or inputs.signature(args, kwargs), detour)
+                self._end_detour(sig, detour)
         if new_shape:
             with self._lock, self._pristine(args, kwargs):
                 return self._verify_shape(args, kwargs)
@@ -319,8 +320,7 @@ class KilnModule(OwnCalls, OriginalFace):
     def _serve(self, fn, args, kwargs, cand: Candidate | None = None):
         self._inference_only()
         grad = torch.is_grad_enabled()
-        c = cand or self._served
-        if c.cuda_graphs and not c.copies:
+        if (cand or self._served).copy_outputs:
             # Graph outputs live in a pool the next replay overwrites, and graph trees
             # are per thread: serialise calls and hand out copies.
             with self._lock, torch.no_grad():
@@ -619,8 +619,7 @@ class KilnModule(OwnCalls, OriginalFace):
         warm = 3 if dev.type == "cuda" else 1  # CUDA graph trees record on the 2nd/3rd call
         fns, errors = {}, {}
         for name, fn in passed.items():
-            graphs = self._find(name).cuda_graphs and not self._find(name).copies
-            call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else \
+            call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if self._find(name).copy_outputs else \
                 (lambda fn=fn: fn(*args, **kwargs))
             if self._snap is not None and self._snap.changed:  # a model that writes its state or inputs
                 call = _after(self._restore, call)
@@ -773,8 +772,7 @@ class KilnModule(OwnCalls, OriginalFace):
         self._restore()
         wrap = self._snap is not None and self._snap.changed  # a model that writes its state: put back each time
         calls = {}
-        for name, fn, graphs in (("served", self._fn, served.cuda_graphs and not served.copies),
-                                 ("given", given_fn, False)):
+        for name, fn, graphs in (("served", self._fn, served.copy_outputs), ("given", given_fn, False)):
             call = (lambda fn=fn: inputs.clone(fn(*args, **kwargs))) if graphs else (lambda fn=fn: fn(*args, **kwargs))
             if name == "served" and not served.live_weights:  # what each of its calls pays besides: the weight check
                 call = _after(self._watch.changed, call)
@@ -793,7 +791,7 @@ class KilnModule(OwnCalls, OriginalFace):
             self._restore()
         s, g = (round(statistics.median(times[n]) * 1e3, 4) for n in ("served", "given"))
         slower = s > g * SHAPE_MARGIN
-        entry = {"inputs": _shapes_of(args, kwargs), "served_ms": s, "given_ms": g,
+        entry = {"inputs": [list(s) for s in inputs.shapes(args, kwargs)], "served_ms": s, "given_ms": g,
                  "serves": given.name if slower else served.name}
         if again:
             entry["after_calls"] = SHAPE_RECHECK
@@ -1210,11 +1208,6 @@ def _check_sample(model: nn.Module, sample: inputs.Args) -> None:
     except Exception as e:
         raise ValueError(f"sample_input was rejected by the model itself ({type(e).__name__}: {e}); "
                          "pass the tensor, tuple of positional args, or dict of kwargs its forward() takes") from e
-
-
-def _shapes_of(args, kwargs) -> list:
-    """The input tensors' shapes, for the report."""
-    return [list(t.shape) for t in inputs.flatten((args, kwargs))]
 
 
 def _after(first, fn):

@@ -67,13 +67,13 @@ class QuantizedGraph(nn.Module):
                             f"{len(a)} positional and keywords {sorted(k)}") from e
         except (AssertionError, IndexError) as e:
             # torch.export's shape guards ("Guard failed: input.size()[1] == 64") name no argument
-            if isinstance(e, AssertionError) and "Guard failed" not in str(e) or \
-                    _shapes(args, kwargs) == _shapes(*(self.kiln_quant.sample or ((), {}))):
+            guard = isinstance(e, IndexError) or "Guard failed" in str(e)
+            want, got = inputs.shapes(*(self.kiln_quant.sample or ((), {}))), inputs.shapes(args, kwargs)
+            if not guard or got == want:
                 raise
             raise ValueError(f"this {self.kiln_quant.config.scheme} model was exported for inputs shaped "
-                             f"{_shapes(*(self.kiln_quant.sample or ((), {})))} (dimensions other than the "
-                             f"batch are fixed, as is each input's rank); got {_shapes(args, kwargs)}. Quantize "
-                             "with calib_data shaped like the inputs it will serve") from e
+                             f"{want} (dimensions other than the batch are fixed, as is each input's rank); got "
+                             f"{got}. Quantize with calib_data shaped like the inputs it will serve") from e
 
     def train(self, mode: bool = True):
         # An exported graph has no train/eval switch (torch raises on it): it was converted
@@ -95,10 +95,6 @@ class QuantizedGraph(nn.Module):
                     f"{device}; casting or moving it (to {dtype_name(out.dtype)} on {out.device}) would break "
                     "it. Quantize the floating-point model there instead: tk.quantize(model.to(...), ...)")
         return self
-
-
-def _shapes(args, kwargs) -> list:
-    return [tuple(t.shape) for t in inputs.flatten((args, kwargs))]
 
 
 class Prepared(nn.Module):
