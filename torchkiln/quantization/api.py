@@ -132,7 +132,10 @@ class Prepared(nn.Module):
             self.smoothing.update({n: v.tolist() for n, v in amax.items()})
             if auto:
                 mods = dict(self.float_model.named_modules())
-                self.alphas.update({n: smoothquant.choose_alpha(mods[n], rows[n], amax[n]) for n in amax})
+                # fewer rows kept than ROWS: they are every calibration row, and are scored held out
+                self.alphas.update({n: smoothquant.choose_alpha(mods[n], rows[n], amax[n],
+                                                                held_out=len(rows[n]) < smoothquant.ROWS)
+                                    for n in amax})
         amax = {n: torch.tensor(v) for n, v in self.smoothing.items() if n not in self.config.keep}
         smoothquant.smooth(model_copy, amax, self.alphas if auto else self.config.alpha)
 
