@@ -77,6 +77,11 @@ def test_fp32_compiled_matches_eager_and_reports():
     if served.kind == "torchkiln":
         assert any(a.startswith("fold_linear_bn (1 folded)") for a in rep.applied)
     assert rep.active in str(rep) and "candidate" in str(rep)
+    # where optimize's time went: each candidate's build and first call, compilation included
+    assert all(m.build_seconds is not None and m.build_seconds >= 0 for m in rep.candidates)
+    assert names["torchkiln compiled (float32)"].build_seconds > names["eager"].build_seconds
+    assert sum(m.build_seconds for m in rep.candidates) <= rep.first_call_seconds + 0.05
+    assert f"built in {names['eager'].build_seconds:.1f} s" in str(rep)
 
 
 def test_state_dict_keeps_keys_and_values_and_loads_both_ways():

@@ -568,13 +568,16 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def _try(self, cand: Candidate, args, kwargs, measures) -> tuple:
         """Build and run once. Returns (callable, output, None) or (None, None, reason)."""
+        t0 = time.perf_counter()
         try:
             fn = cand.make()
             self._restore()
             with torch.no_grad():
                 out = fn(*args, **kwargs)
+            self._built(measures, cand, t0)
             return fn, out, None
         except Exception as e:
+            self._built(measures, cand, t0)
             if is_oom(e):
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -589,6 +592,11 @@ class KilnModule(OwnCalls, OriginalFace):
                 self.kiln_report.fallbacks.append(Fallback(cand.name, alt.name, reason))
                 return self._try(alt, args, kwargs, measures)
             return None, None, reason
+
+    @staticmethod
+    def _built(measures: dict, cand: Candidate, t0: float) -> None:
+        if cand.name in measures:  # a rebuild's or a later step's time replaces the first
+            measures[cand.name].build_seconds = round(time.perf_counter() - t0, 2)
 
     def _replace(self, old: Candidate, new: Candidate) -> None:
         self._cands[self._cands.index(old)] = new

@@ -26,6 +26,8 @@ class Measurement:
     median_ms: float | None = None
     calls_timed: int = 0
     reason: str = ""
+    # making it and its first call (compilation, capture), so a report says where optimize's time went
+    build_seconds: float | None = None
 
 
 @dataclass
@@ -66,7 +68,8 @@ class Report:
         lines.append(f"  applied    {', '.join(self.applied) or '-'}")
         for m in self.candidates:
             t = f"{m.median_ms:9.3f} ms" if m.median_ms is not None else f"{'-':>12}"
-            lines.append(f"  candidate  {m.name:<44}{t}  {m.status}" + (f": {m.reason}" if m.reason else ""))
+            built = f" (built in {m.build_seconds:.1f} s)" if m.build_seconds is not None else ""
+            lines.append(f"  candidate  {m.name:<44}{t}  {m.status}{built}" + (f": {m.reason}" if m.reason else ""))
         for f in self.fallbacks:
             lines.append(f"  FALLBACK   {f.step} -> {f.to}: {f.reason}")
         if self.error is not None:
