@@ -356,6 +356,47 @@ def test_checkpoints_load_both_ways_and_the_original_is_untouched(models):
     assert model.model.layers[0].self_attn.q_proj.weight._base is None  # the caller's weights are not views
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_sliding_window_shorter_than_the_request_matches_hf(compiled):
+    # the cache is full length and the mask keeps each query to its window: past the window this is
+    # transformers' sliding attention (it raised a ValueError at optimize or generate before)
+    model = build("mistral", seed=29, sliding_window=6)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    assert fast.kiln_report.path == "fast"
+    ids = prompt(batch=2, length=5, seed=30)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # left padding: slots, not positions, as in transformers' cache
+    kw = dict(max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    wide = build("mistral", seed=29, sliding_window=4096)  # the same weights, a window wider than the request
+    assert not torch.equal(wide.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_decoder_follows_a_checkpoint_loaded_after_optimize(quant):
+    # its codes are made from the weights at build: load_state_dict (or an in-place edit) must quantize
+    # again, where generate() had kept decoding with the old codes, silently
+    model, other = build("llama", seed=26), build("llama", seed=27)
+    fast = tk.llm.optimize(copy.deepcopy(model), dtype=torch.float32, quant=quant, compile=False)
+    ids = prompt(seed=28)
+    before = fast.generate(ids, max_new_tokens=6, **GREEDY)
+    fast.load_state_dict(other.state_dict())
+    want = tk.llm.optimize(copy.deepcopy(other), dtype=torch.float32, quant=quant, compile=False)
+    got = fast.generate(ids, max_new_tokens=6, **GREEDY)
+    assert torch.equal(got, want.generate(ids, max_new_tokens=6, **GREEDY))
+    assert not torch.equal(got, before)  # the new weights do change the tokens
+    with torch.no_grad():
+        for p in fast.parameters():
+            p.mul_(-1.0)  # an in-place edit, no load
+        for p in want.parameters():
+            p.mul_(-1.0)
+    want = tk.llm.optimize(want, dtype=torch.float32, quant=quant, compile=False)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), want.generate(ids, max_new_tokens=6, **GREEDY))
+
+
 def test_save_pretrained_round_trip(models, tmp_path):
     import transformers as T
 
@@ -719,6 +760,60 @@ def test_explicit_none_and_unset_lengths_mean_what_they_mean_in_transformers():
     assert torch.equal(fast.generate(ids, max_new_tokens=4, do_sample=True, top_p=0.0, eos_token_id=None), greedy)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         fast.generate(ids, max_new_tokens=0)
+
+
+def test_settings_hf_applies_are_never_dropped_and_lengths_follow_its_precedence(models):
+    """From a new-user probe: token id 0 or 1 for forced_eos/bos_token_id, max_time=0 and guidance_scale=0
+    were read as "off" and dropped silently; a max_length= keyword beat a config's max_new_tokens (HF lets
+    max_new_tokens win); an eos tensor raised; an eos id past the vocabulary with min_new_tokens raised
+    IndexError; top_p above 1 raised where transformers leaves top-p off."""
+    from transformers import GenerationConfig
+
+    model, fast = models("llama")
+    ids = prompt(seed=32)
+    for kw in ({"forced_eos_token_id": 1}, {"forced_eos_token_id": 0}, {"max_time": 0}):
+        with pytest.warns(UserWarning, match=next(iter(kw))):
+            got = fast.generate(ids, max_new_tokens=5, **kw, **GREEDY)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=5, **kw, **GREEDY)), kw
+    assert int(fast.generate(ids, max_new_tokens=5, forced_eos_token_id=1, **GREEDY)[0, -1]) == 1
+    config = GenerationConfig(max_new_tokens=3)
+    got = fast.generate(ids, generation_config=config, max_length=15, **GREEDY)
+    assert got.shape == model.generate(ids, generation_config=config, max_length=15, **GREEDY).shape == (1, 10)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    stops = torch.tensor([int(model.generate(ids, **kw, eos_token_id=None)[0, -3]), 95])
+    assert torch.equal(fast.generate(ids, eos_token_id=stops, **kw), model.generate(ids, eos_token_id=stops, **kw))
+    past = dict(kw, eos_token_id=[500, int(stops[0])], min_new_tokens=5)  # 500: no such token in this head
+    assert torch.equal(fast.generate(ids, **past), model.generate(ids, **past))
+    torch.manual_seed(33)
+    want = model.generate(ids, max_new_tokens=6, do_sample=True, top_p=1.5, eos_token_id=None)
+    torch.manual_seed(33)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, do_sample=True, top_p=1.5, eos_token_id=None), want)
+
+
+def test_rotary_models_decode_past_max_position_embeddings_as_hf_does():
+    model = build("llama", seed=34, max_position_embeddings=16)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    ids = prompt(seed=35)
+    with pytest.warns(UserWarning, match="max_position_embeddings=16"):
+        got = fast.generate(ids, max_new_tokens=20, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=20, **GREEDY))
+    assert tk.llm.optimize(model, dtype=torch.float32, compile=False, max_seq_len=64).kiln_report.path == "fast"
+    with pytest.raises(ValueError, match="max_length=16"):  # no length set: transformers caps at the positions
+        fast.generate(prompt(length=17, seed=36), do_sample=False)
+    gpt2 = build("gpt2", seed=37, n_positions=16)  # a learned position table has no row 16
+    with pytest.raises(ValueError, match="learned position table"):
+        tk.llm.optimize(gpt2, dtype=torch.float32, compile=False).generate(ids, max_new_tokens=20, **GREEDY)
+
+
+def test_a_post_norm_model_is_named_as_such():
+    import transformers as T
+
+    torch.manual_seed(0)
+    opt = T.OPTForCausalLM(T.OPTConfig(vocab_size=96, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
+                                       num_attention_heads=4, word_embed_proj_dim=64, do_layer_norm_before=False))
+    with pytest.warns(UserWarning, match="post-norm"):
+        fast = tk.llm.optimize(opt.eval(), dtype=torch.float32, compile=False)
+    assert "do_layer_norm_before=False" in fast.kiln_report.reason
 
 
 def test_bad_input_is_named():

@@ -238,6 +238,7 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
                   "against bf16's 5.3 and int8's 4.5). quant='int8' serves batched decode faster", owner=work)
     work.kiln_report = report
     work._kiln_runner = runner
+    runner.versions = _versions(work, quant)
     work.generate = types.MethodType(_generate, work)
     report.setup_s = round(time.perf_counter() - t0, 2)
     return work
@@ -246,9 +247,9 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
 def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
     """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
     spec, parts = read(work)
-    if max_seq_len is not None and max_seq_len > spec.max_positions:
+    if max_seq_len is not None and max_seq_len > spec.max_positions and spec.positions == "learned":
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
-                         f"{spec.max_positions}")
+                         f"{spec.max_positions} (its learned position table has no more rows)")
     decoder = FastDecoder(spec, parts)
     report.attention = "matmul" if target.type == "cpu" else "sdpa"
     if decode_attention.wanted(target):
@@ -357,7 +358,7 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
     try:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise Fallback("inputs= other than a (batch, length) tensor of token ids")
-        if _moved(runner):
+        if _moved(runner) or _rewritten(self, runner):
             runner = _rebuild(self, runner, report)
         req = resolve(self, ids.shape[1], generation_config, rest)
         if mask is None:
@@ -410,6 +411,7 @@ def _rebuild(model, old: Runner, report: LLMReport) -> Runner:
     report.device, report.dtype = str(target), str(dtype).removeprefix("torch.")
     report.cudagraphs = runner.cudagraphs
     model._kiln_runner = runner
+    runner.versions = _versions(model, report.quant)
     log.info("torchkiln.llm: decoder rebuilt for %s/%s", target, dtype)
     return runner
 
@@ -418,3 +420,18 @@ def _moved(runner: Runner) -> bool:
     """The decoder reads the model's weights in place; a real .to() gives them new storage."""
     param, alias = runner.anchor
     return param.untyped_storage().data_ptr() != alias.untyped_storage().data_ptr()
+
+
+def _versions(model: nn.Module, quant) -> int | None:
+    """The sum of the parameters' version counters, for a quantized decoder (None otherwise). A
+    float decoder reads the model's weights in place (views, no copy); a quantized one holds codes
+    made from them at build, which load_state_dict or an in-place edit of the weights leaves behind:
+    generate() then decoded with the old weights, silently (found by a new-user probe). Counters only
+    grow, so the sum moves exactly when one of them does. (Edits through ``.data`` bypass them.)"""
+    return sum(p._version for p in model.parameters()) if quant else None
+
+
+def _rewritten(model: nn.Module, runner: Runner) -> bool:
+    """A quantized decoder's weights were written since it was built: quantize them again."""
+    versions = getattr(runner, "versions", None)
+    return versions is not None and versions != _versions(model, True)

@@ -18,16 +18,20 @@ DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 5
 TAKEN = ("max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
          "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "output_scores", "output_logits",
          "return_dict_in_generate", "prompt_lookup_num_tokens", "max_matching_ngram_size")
-# generation settings the fast path does not implement, with the value meaning "off"
-NEUTRAL = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "no_repeat_ngram_size": 0,
-           "bad_words_ids": None, "force_words_ids": None, "constraints": None, "min_p": None, "typical_p": 1.0,
-           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "renormalize_logits": False, "suppress_tokens": None,
-           "begin_suppress_tokens": None, "sequence_bias": None, "guidance_scale": None,
-           "watermarking_config": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-           "exponential_decay_length_penalty": None, "stop_strings": None,
-           "output_attentions": False, "output_hidden_states": False, "min_length": 0, "max_time": None,
-           "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None, "top_h": None,
-           "encoder_repetition_penalty": 1.0, "low_memory": None, "min_tokens_to_keep": 1}
+# generation settings the fast path does not implement, with the values that leave them off (None
+# always does). Per setting: a token id of 0 or 1 is a real forced token (Gemma's eos is 1, GPT-NeoX's
+# 0), max_time=0 stops at once and guidance_scale=0 keeps only the unconditional logits, so those are
+# not off; one rule for all had dropped them silently (a new-user probe, 2026-11-26).
+EMPTY = ([], ())
+NEUTRAL = {"num_beams": (1,), "num_return_sequences": (1,), "penalty_alpha": (0,), "no_repeat_ngram_size": (0,),
+           "bad_words_ids": EMPTY, "force_words_ids": EMPTY, "constraints": EMPTY, "min_p": (0,),
+           "typical_p": (1,), "epsilon_cutoff": (0,), "eta_cutoff": (0,), "renormalize_logits": (False,),
+           "suppress_tokens": EMPTY, "begin_suppress_tokens": EMPTY, "sequence_bias": ({},),
+           "guidance_scale": (1,), "watermarking_config": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
+           "exponential_decay_length_penalty": (), "stop_strings": EMPTY, "output_attentions": (False,),
+           "output_hidden_states": (False,), "min_length": (0,), "max_time": (), "num_beam_groups": (1,),
+           "diversity_penalty": (0,), "dola_layers": (), "top_h": (), "encoder_repetition_penalty": (1,),
+           "low_memory": (False,), "min_tokens_to_keep": (1,)}
 # generate() keywords outside GenerationConfig that only the model's own generate understands
 FOREIGN = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
            "negative_prompt_ids", "negative_prompt_attention_mask", "past_key_values", "inputs_embeds",
@@ -52,8 +56,10 @@ class Request:
     ngram: int = 2    # longest n-gram matched (max_matching_ngram_size)
 
 
-def _is_off(value, neutral) -> bool:
-    return value is None or value == neutral or (neutral is None and value in (0, 1.0, False, [], ()))
+def _is_off(value, offs: tuple) -> bool:
+    """``value`` leaves its setting off: None, or equal to one of ``offs`` (a plain value: a tensor or
+    a config object is never off)."""
+    return value is None or (isinstance(value, (bool, int, float, str, list, tuple, dict)) and value in offs)
 
 
 @functools.cache
@@ -94,37 +100,43 @@ def resolve(model, prompt_len: int, generation_config, kwargs: dict) -> Request:
         v = get(name)
         return DEFAULTS[name] if v is None else v
 
-    for key, neutral in NEUTRAL.items():
+    for key, offs in NEUTRAL.items():
         v = get(key)
-        if not _is_off(v, neutral):
+        if not _is_off(v, offs):
             raise Fallback(f"{key}={v!r}")
     unknown = set(kwargs) - set(TAKEN) - set(NEUTRAL) - set(FOREIGN) - set(IGNORED)
     if unknown:
         raise Fallback(f"{sorted(unknown)[0]}=")
-    new = kwargs.get("max_new_tokens")
+    # transformers merges the keywords into the config, then max_new_tokens, wherever it was set, wins
+    # over max_length (a max_length= keyword against a config's max_new_tokens gave 15 tokens where
+    # transformers gives 11: the new-user probe, 2026-11-26)
+    new = kwargs["max_new_tokens"] if "max_new_tokens" in kwargs else configured("max_new_tokens")
     if new is not None and new < 1:
         raise ValueError(f"max_new_tokens={new} must be at least 1")
-    max_length = kwargs.get("max_length")
-    if new is None and max_length is None:
-        new = configured("max_new_tokens")
-        max_length = configured("max_length") if new is None else None
-        if max_length is not None and max_length == _library_max_length():
-            # transformers 4.x: every config carries its default max_length=20, and generate reads
-            # a config's max_length equal to that default as unset (prompt + 20, not 20 in all)
-            max_length = None
+    max_length = None
+    if new is None:
+        max_length = kwargs.get("max_length")
+        if max_length is None:
+            max_length = configured("max_length")
+            if max_length is not None and max_length == _library_max_length():
+                # transformers 4.x: every config carries its default max_length=20, and generate reads
+                # a config's max_length equal to that default as unset (prompt + 20, not 20 in all)
+                max_length = None
     if new is None and max_length is None:
         # nothing set anywhere: transformers adds its default 20 tokens to the prompt (not 20 in all),
         # within the model's positions
         new = DEFAULTS["max_length"]
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if limit is not None:
-            new = min(new, limit - prompt_len)
+        if limit is not None and limit - prompt_len < new:
+            new, max_length = limit - prompt_len, limit  # what the message below names, as transformers does
     elif new is None:
         new = max_length - prompt_len
     if new < 1:
         raise ValueError(f"the prompt has {prompt_len} tokens, not fewer than max_length={max_length}; "
                          "pass max_new_tokens= (the number of tokens to add)")
     eos = get("eos_token_id")
+    if isinstance(eos, torch.Tensor):  # transformers takes a tensor of ids too
+        eos = eos.flatten().tolist()
     eos = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     do_sample = bool(get("do_sample"))
     sampling = Sampling(do_sample=do_sample, temperature=float(num("temperature")),

@@ -68,20 +68,24 @@ class Runner:
         """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
         model's own limit), else reuse, else (re)allocate rounded up."""
         spec = self.decoder.spec
-        limit = self.max_seq_len or spec.max_positions
-        if need > limit:
+        # Rotary positions go on past max_position_embeddings, as transformers generates there (with a
+        # notice; this raised before); a learned position table has no rows beyond it.
+        limit = self.max_seq_len or (spec.max_positions if spec.positions == "learned" else None)
+        if limit is not None and need > limit:
             what = f"max_seq_len={self.max_seq_len}" if self.max_seq_len else \
-                f"the model's max_position_embeddings={spec.max_positions}"
+                f"the model's max_position_embeddings={spec.max_positions} (a learned position table)"
             raise ValueError(f"prompt plus max_new_tokens is {need} tokens, more than {what}; "
                              "shorten the prompt or max_new_tokens" +
                              (", or pass a larger max_seq_len= to tk.llm.optimize" if self.max_seq_len else ""))
-        if spec.sliding_window is not None and need > spec.sliding_window:
-            raise ValueError(f"{need} tokens exceed the model's sliding_window={spec.sliding_window}; the fast "
-                             "path keeps a full cache. Use fewer tokens or the model's own generate")
+        if need > spec.max_positions:
+            warn_once(f"llm-past-positions:{spec.max_positions}", f"torchkiln.llm: {need} tokens is more than the "
+                      f"model's max_position_embeddings={spec.max_positions}; rotary positions go on past it, as "
+                      "in transformers, but the model was not trained there")
         d = self.decoder
         if d.batch == batch and d.seq >= need:
             return
-        seq = self.max_seq_len or min(limit, -(-need // CACHE_ROUND) * CACHE_ROUND)
+        rounded = -(-need // CACHE_ROUND) * CACHE_ROUND
+        seq = self.max_seq_len or (rounded if limit is None else min(limit, rounded))
         d.setup_cache(batch, seq)
         self._graphs.clear()  # they write into the old cache
         self._pool = None  # freed with its last graph: capturing into it again fails an allocator assert

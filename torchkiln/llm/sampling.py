@@ -26,8 +26,9 @@ class Sampling:
         if self.do_sample and not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r} must be > 0 when do_sample=True "
                              "(use do_sample=False for greedy)")
-        if self.top_p is not None and not 0 <= self.top_p <= 1:  # 0 keeps the top token, as in transformers
-            raise ValueError(f"top_p={self.top_p!r} must be in [0, 1]")
+        # 0 keeps the top token and above 1 is off, as in transformers (it builds no top-p warper then)
+        if self.top_p is not None and not self.top_p >= 0:
+            raise ValueError(f"top_p={self.top_p!r} must be >= 0 (1 or more: off)")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be >= 0 (0 or None: off)")
         if not self.repetition_penalty > 0:
@@ -45,7 +46,10 @@ def process(scores: torch.Tensor, seq: torch.Tensor, new: int, s: Sampling,
         scores = scores.scatter(1, seq, picked)
     if new < s.min_new_tokens and s.eos:
         stops = stops if stops is not None else torch.tensor(s.eos, device=scores.device)
-        scores = scores.index_fill(1, stops, -float("inf"))
+        # an eos id the head cannot produce (a config's eos past a small vocabulary) has no score to
+        # mask; transformers' isin over the vocabulary skips it, index_fill raised IndexError
+        scores = scores.masked_fill(torch.isin(torch.arange(scores.shape[-1], device=scores.device), stops),
+                                    -float("inf"))
     if not s.do_sample:
         return scores
     if s.temperature != 1.0:

@@ -207,11 +207,11 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
     if pos_embed is None:  # OPT keeps the embeddings beside the stack, GPT-2 too; others may not
         pos_embed = next((m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not embed
                           and not n.startswith(stack_name)), None)
+    if getattr(config, "do_layer_norm_before", True) is False:  # first: such a model has no final norm either
+        raise Unsupported("post-norm layers (config.do_layer_norm_before=False) are not in the fast path")
     finals = [m for m in parent.children() if _is_norm(m, hidden)]
     if len(finals) != 1:
         raise Unsupported(f"expected one final norm beside the layer stack, found {len(finals)}")
-    if getattr(config, "do_layer_norm_before", True) is False:
-        raise Unsupported("post-norm layers (config.do_layer_norm_before=False) are not in the fast path")
     if any(_is_proj(m) for m in parent.children()):
         raise Unsupported("projections outside the layers (e.g. OPT project_in/out) are not in the fast path")
     rotary = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
