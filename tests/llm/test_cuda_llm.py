@@ -30,6 +30,28 @@ def test_cuda_graph_decode_matches_hf_fp32(family):
     assert len(fast.kiln_report.compile_s) == 1
 
 
+def test_a_sliding_window_shorter_than_the_request_through_the_decode_kernel_matches_hf():
+    # the decode-attention kernel takes FastDecoder's mask, which carries the window; left padding too
+    model = build("mistral", seed=5, sliding_window=6).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    assert fast.kiln_report.attention == "kernel" and fast.kiln_report.path == "fast"
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(6)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY))
+
+
+def test_a_quantized_decoder_follows_new_weights_on_cuda():
+    model, other = build("llama", seed=7).cuda(), build("llama", seed=8).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(9)).cuda()
+    fast.generate(ids, max_new_tokens=8, **GREEDY)
+    fast.load_state_dict(other.state_dict())
+    want = tk.llm.optimize(other, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, **GREEDY), want.generate(ids, max_new_tokens=8, **GREEDY))
+
+
 def test_stop_tokens_read_one_token_late_match_hf():
     """On CUDA generate reads "every row stopped" a token late (generate.StopCheck): the same
     tokens as transformers, rows stopping at different steps."""
