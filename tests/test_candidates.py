@@ -175,3 +175,16 @@ def test_a_cuda_graph_recipe_adds_a_captured_candidate_sharing_the_plain_ones_co
         a, b = mine.make(), plain.make()
         assert isinstance(a.fn, Captured) and a.fn.fn is b.fn and not a.cuda_graphs
         assert made == [{"freezing": True, "triton.cudagraphs": False}]  # one compile, without the trees
+        # the trees come after the captured candidate, and are skipped once it holds a graph
+        names = list(cands)
+        trees = cands["torchkiln compiled (float32) + CUDA graphs"]
+        assert names.index(trees.name) > names.index(mine.name) and mine.skip is None
+        assert trees.skip({"plain": b, mine.name: a}) is None  # nothing captured yet
+        a.fn._graphs[("a signature",)] = None  # one it could not capture
+        assert trees.skip({mine.name: a}) is None
+        a.fn._graphs[("another",)] = object()
+        assert "captured CUDA graphs serve" in trees.skip({mine.name: a})
+        assert trees.skip({"plain": b}) is None  # the captured candidate did not pass
+        monkeypatch.setattr(cand_mod, "TREES_BESIDE_CAPTURED", True)
+        assert trees.skip({mine.name: a}) is None
+        monkeypatch.setattr(cand_mod, "TREES_BESIDE_CAPTURED", False)

@@ -131,9 +131,26 @@ def test_optimize_times_the_captured_candidate_and_its_answers_pass_the_guard():
     by = {c.name: c for c in rep.candidates}
     mine = by["torchkiln compiled (bfloat16) + captured CUDA graphs"]
     assert mine.status in ("served", "passed") and mine.median_ms is not None, str(rep)
+    trees = by["torchkiln compiled (bfloat16) + CUDA graphs"]  # their compile saved: the captured graphs serve
+    assert trees.status == "skipped" and "captured CUDA graphs serve" in trees.reason and trees.build_seconds is None
     with torch.no_grad():
         a = o(**x).last_hidden_state
         b = o(**x).last_hidden_state
     assert a.data_ptr() != b.data_ptr()  # copies, whichever form serves
     assert ((a.float() - ref).norm() / ref.norm()).item() <= rep.tolerance
     torch.testing.assert_close(a, b)
+
+
+def test_the_graph_trees_are_built_where_nothing_was_captured():
+    class Writes(nn.Linear):  # writes into its input: the captured candidate takes no graph
+        def forward(self, x):
+            x.add_(1.0)
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = Writes(16, 16).cuda().eval()
+    x = torch.zeros(4, 16, device="cuda")
+    o = tk.optimize(model, sample_input=x, time_budget=0)
+    by = {c.name: c for c in tk.report(o).candidates}
+    trees = by["torchkiln compiled (float32) + CUDA graphs"]
+    assert trees.status != "skipped" and trees.build_seconds is not None, str(tk.report(o))

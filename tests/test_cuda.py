@@ -14,6 +14,15 @@ from torchkiln import zoo
 pytestmark = pytest.mark.cuda
 
 
+@pytest.fixture(autouse=True)
+def _trees_built(monkeypatch):
+    # these tests exercise inductor's graph trees, which optimize builds only where the hand-captured
+    # graphs cannot serve (candidates._trees_needless); test_captured.py covers that choice
+    from torchkiln import candidates
+
+    monkeypatch.setattr(candidates, "TREES_BESIDE_CAPTURED", True)
+
+
 def test_detect_reports_the_gpu():
     hw = tk.detect()
     acc = hw.accelerator("cuda:0")

@@ -64,6 +64,10 @@ class Captured:
         self._done: torch.cuda.Event | None = None  # after the last call's output copies
         self.notes: list[str] = []  # why a signature runs without a graph
 
+    def holds_graph(self) -> bool:
+        """A graph was captured (for some signature)."""
+        return any(g is not None for g in self._graphs.values())
+
     def __call__(self, *args, **kwargs):
         sig = signature(args, kwargs)
         entry = self._graphs.get(sig)

@@ -439,6 +439,10 @@ class KilnModule(OwnCalls, OriginalFace):
             for cand in [c for c in self._cands if c.tier == tier and c.kind != "original"]:
                 m = measures.setdefault(cand.name, Measurement(cand.name, cand.kind, cand.dtype))
                 fn = out = None  # the last one's: _make_room may free it
+                needless = cand.skip(passed) if cand.skip is not None else None
+                if needless:
+                    m.status, m.reason = "skipped", needless
+                    continue
                 short = self._no_room(cand)
                 if short and self._make_room(passed, verdicts, args, kwargs, measures):
                     short = self._no_room(cand)
