@@ -186,6 +186,46 @@ def test_cli_bench_json_and_plot_overwrite_guard(capsys, tmp_path):
     assert "pass --force" in json.loads(capsys.readouterr().out)["message"]
 
 
+def test_cli_outputs_are_checked_before_the_benchmark_and_a_device_reaches_it(capsys, tmp_path, monkeypatch):
+    # from a CLI probe: any --device (even cpu) called the model with an (args, kwargs) tuple; matplotlib
+    # added .png to an extensionless --plot after the overwrite check; a missing --results folder failed
+    # after the whole benchmark
+    chart = tmp_path / "chart.png"
+    chart.write_text("precious")
+    ran = []
+    monkeypatch.setattr(bench_mod, "bench", lambda *a, **k: ran.append(1))
+    assert cli.main(["bench", "mlp", "--plot", str(tmp_path / "chart")]) == 2
+    assert "pass --force" in capsys.readouterr().err and chart.read_text() == "precious" and not ran
+    assert cli.main(["bench", "mlp", "--plot", str(tmp_path / "c.txt")]) == 2
+    assert "not a chart format" in capsys.readouterr().err and not ran
+    monkeypatch.undo()
+    results = tmp_path / "new" / "dir" / "r.md"
+    argv = ["bench", "mlp", "--batch", "4", "--iters", "2", "--warmup", "1", "--peers", "eager", "--device", "cpu"]
+    assert cli.main([*argv, "--json", "--results", str(results)]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["name"] == "eager" and "eager" in results.read_text()
+    assert cli.main(["check", "mlp", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
+@pytest.mark.parametrize("argv, words", [(["--batch", "0"], "--batch 0"), (["--rounds", "0"], "--rounds 0"),
+                                         (["--new-tokens", "0"], "--new-tokens 0"), (["--lookup", "-1"], "--lookup -1"),
+                                         (["--peers", "nosuch"], "--peers 'nosuch'"), (["--device", "mps"], "--device"),
+                                         (["--dtype", "bf17"], "bf17")])
+def test_cli_bench_llm_names_a_bad_option_before_building(capsys, monkeypatch, argv, words):
+    from torchkiln.llm import bench as llm_bench
+
+    monkeypatch.setattr(llm_bench, "run", lambda *a, **k: pytest.fail("built a model"))
+    assert cli.main(["bench", "llm", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_bad_torchkiln_log_is_said_and_ignored(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHKILN_LOG", "bogus")
+    with pytest.warns(UserWarning, match="TORCHKILN_LOG='bogus'"):
+        assert cli.main(["--version"]) == 0
+    assert "torchkiln" in capsys.readouterr().out
+
+
 def test_cli_bench_autotune_peers_flag_reaches_bench(monkeypatch, capsys):
     seen = {}
 

@@ -21,11 +21,16 @@ def configure(level: str | None = None) -> None:
     records propagate to whatever logging the application set up.
     """
     global _handler
+    env = not level
     level = level or os.environ.get("TORCHKILN_LOG")
     if not level:
         return
     key = level.strip().lower()
     if key not in LEVELS:
+        if env:  # a typo in the environment must not stop every command and tk.llm.optimize: said, ignored
+            warn_once(f"log-env:{level}", f"torchkiln: TORCHKILN_LOG={level!r} is not one of "
+                      f"{', '.join(LEVELS)}; ignored")
+            return
         raise ValueError(f"log level {level!r} is not one of {', '.join(LEVELS)}")
     logger = logging.getLogger("torchkiln")
     logger.setLevel(LEVELS[key])

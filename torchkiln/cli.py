@@ -103,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
-        # User errors: one clear line, not a traceback.
+    except Exception as e:
+        # User errors, and failures a command explains in full (``for_the_user``, e.g. an autotune whose
+        # every layout failed): one clear message, not a traceback. Anything else is a bug: raised.
+        if not isinstance(e, (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError)) \
+                and not getattr(e, "for_the_user", False):
+            raise
         if args.json:
             _print_json({"error": type(e).__name__, "message": str(e)})
         else:

@@ -46,8 +46,41 @@ def _load(args):
         from .inputs import normalize, to
 
         model = model.to(torch.device(args.device))
-        sample = to(normalize(sample), args.device)
+        a, k = to(normalize(sample), args.device)
+        # back in the sample's own form: (args, kwargs) passed on as one sample was called as a tuple
+        # (every --device failed, even cpu: the CLI probe, 2026-11-26)
+        sample = k if isinstance(sample, dict) else a[0] if isinstance(sample, torch.Tensor) else a
     return model, sample
+
+
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
+
+
+def _outputs(args) -> None:
+    """Check --plot and --results before any work (they failed only after a whole benchmark, the results
+    lost): a plot path without an extension gets .png (matplotlib's default, which it adds itself: an
+    existing chart.png was overwritten without --force); its format must be one matplotlib writes; an
+    existing plot needs --force (--results appends); missing parent folders are created."""
+    plot = getattr(args, "plot", None)
+    if plot:
+        ext = os.path.splitext(plot)[1].lstrip(".").lower()
+        if not ext:
+            args.plot = plot = plot + ".png"
+        elif ext not in PLOT_FORMATS:
+            raise ValueError(f"--plot {plot!r}: {ext!r} is not a chart format; use one of {', '.join(PLOT_FORMATS)}")
+        if os.path.isdir(plot):
+            raise ValueError(f"--plot {plot!r} is a folder; give a file name (e.g. {os.path.join(plot, 'bench.png')})")
+        if os.path.exists(plot) and not getattr(args, "force", False):
+            raise FileExistsError(f"--plot {plot!r} exists; pass --force to overwrite it")
+    for option, path in (("--plot", plot), ("--results", getattr(args, "results", None))):
+        if path:
+            if os.path.isdir(path):
+                raise ValueError(f"{option} {path!r} is a folder; give a file name")
+            parent = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{option} {path!r}: cannot create its folder {parent!r} ({e.strerror})") from e
 
 
 def _bench(args, model_name: str) -> int:
@@ -56,8 +89,7 @@ def _bench(args, model_name: str) -> int:
     from .bench import bench, gemm_peak
     from .modelutil import parse_dtype
 
-    if args.plot and os.path.exists(args.plot) and not args.force:
-        raise FileExistsError(f"--plot {args.plot!r} exists; pass --force to overwrite it")
+    _outputs(args)
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
                          "negative warm-up")
@@ -104,6 +136,7 @@ def _bench_ipex(args) -> int:
     if args.shape or args.device not in (None, "cpu") or args.level != "O1" or args.plot or args.peak:
         raise ValueError("--peer ipex compares CPU inference at the default level; drop --shape, --device, "
                          "--level, --plot and --peak")
+    _outputs(args)
     peers = tuple(args.peers.split(",")) if args.peers else ipex_peer.PEERS
     with ticks(not args.json and not args.no_progress, "IPEX peer: builds, rounds", len(peers) + args.rounds) \
             as tick:
@@ -132,7 +165,20 @@ def _bench_llm(args) -> int:
     bad = [q for q in quant if q not in ("int8", "int4")]
     if bad:
         raise ValueError(f"--quant {bad[0]!r} is not int8 or int4 (a comma list: --quant int8,int4)")
-    peers = tuple(args.peers.split(",")) if args.peers else ("hf-eager", "hf-static", "torchkiln")
+    peers = tuple(args.peers.split(",")) if args.peers else llm_bench.PEERS[:3]
+    unknown = [p for p in peers if p not in llm_bench.PEERS]
+    if unknown:
+        raise ValueError(f"--peers {unknown[0]!r} is not one of {', '.join(llm_bench.PEERS)}")
+    for name, least in (("batch", 1), ("prompt", 1), ("new_tokens", 1), ("rounds", 1), ("lookup", 0)):
+        value = getattr(args, name)
+        if value is None or value < least:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+    parse_dtype(args.dtype)
+    if args.device:
+        from .hardware import resolve_device
+
+        resolve_device(args.device, arg="--device {!r}")
+    _outputs(args)
     rows, info = llm_bench.run(args.config, args.device or "cpu", parse_dtype(args.dtype), quant, args.batch,
                                args.prompt, args.new_tokens, args.rounds, peers,
                                progress=not args.json and not args.no_progress, lookup=args.lookup)

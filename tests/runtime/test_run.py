@@ -63,9 +63,21 @@ def test_two_instances_each_on_its_own_core(show, tmp_path, capsys):
         assert m, first
         cpus.append(int(m.group(1)))
         assert second == f"second line of {i}"
-        assert (logs / f"instance_{i}.log").read_text() == f"{first}\nsecond line of {i}\n"
+        header, *body = (logs / f"instance_{i}.log").read_text().splitlines()
+        assert header.startswith("=== torchkiln run, ") and body == [first, f"second line of {i}"]
     assert cpus == ALLOWED[:2]  # each its own slice, in order
     assert "torchkiln run: 2 instances x 1 physical cores" in captured.err  # the plan goes to stderr
+    # a second run into the same folder appends (it overwrote the first run's logs), and torchkiln's own
+    # numbering wins over one inherited from the environment (every instance read the same number)
+    env = {"TORCHKILN_INSTANCE": "0", "TORCHKILN_INSTANCES": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert cli.main(["run", "--instances", "2", "--cores-per-instance", "1", "--log-dir", str(logs), show]) == 0
+    capsys.readouterr()
+    for i in (0, 1):
+        text = (logs / f"instance_{i}.log").read_text()
+        assert text.count("=== torchkiln run, ") == 2 and text.count(f"second line of {i}") == 2
 
 
 @two_cores

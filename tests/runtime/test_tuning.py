@@ -220,6 +220,19 @@ def test_a_failing_layout_is_reported_and_the_rest_still_chosen(tmp_path, capsys
     assert json.loads(out.read_text())["best"]["instances"] == 1
 
 
+@two_cores
+def test_every_layout_failing_is_one_clear_error_and_a_bad_save_path_stops_before_tuning(tmp_path, capsys):
+    bench = script(tmp_path, 'raise RuntimeError("script blew up")')
+    out = tmp_path / "best.json"
+    assert cli.main(["run", "--autotune", "--autotune-seconds", "0.2", "--save", str(out), bench]) == 2  # a traceback
+    err = capsys.readouterr().err
+    assert "every layout failed" in err and "script blew up" in err and "Traceback" not in err and not out.exists()
+    for save, words in ((tmp_path / "no" / "dir.json", "does not exist"), (tmp_path, "is a folder")):
+        t0 = time.perf_counter()
+        assert cli.main(["run", "--autotune", "--autotune-seconds", "5", "--save", str(save), "--force", bench]) == 2
+        assert words in capsys.readouterr().err and time.perf_counter() - t0 < 5  # refused before any tuning
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--autotune", "--instances", "2"], "drop --instances"),
     (["--autotune", "--autotune-instances", "x"], "--autotune-instances 'x'"),

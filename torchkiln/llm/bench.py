@@ -115,8 +115,11 @@ def _without_own_kernels(on: bool):
         yield
 
 
+PEERS = ("hf-eager", "hf-static", "torchkiln", "torchkiln-torchgemv")  # the last: torch's kernels only
+
+
 def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), batch: int = 1,
-        prompt: int = 16, new: int = 128, rounds: int = 5, peers=("hf-eager", "hf-static", "torchkiln"),
+        prompt: int = 16, new: int = 128, rounds: int = 5, peers=PEERS[:3],
         progress: bool = True, lookup: int = 0) -> tuple[list, dict]:
     """``lookup``: also time prompt-lookup speculation (transformers' and torchkiln's) with this
     many drafted tokens, on a prompt that repeats itself (the case prompt lookup is for)."""

@@ -140,8 +140,14 @@ def _cmd_autotune(args, topology, script, script_args, torchrun) -> int:
     if torchrun or args.layout or args.instances or args.cores_per_instance:
         raise ValueError("--autotune chooses the layout itself: drop --instances, --cores-per-instance, "
                          "--layout and --nproc-per-node (--autotune-instances 1,2 limits what it tries)")
+    if os.path.isdir(args.save):
+        raise ValueError(f"--save {args.save!r} is a folder; give a file name (e.g. "
+                         f"{os.path.join(args.save, 'torchkiln-layout.json')})")
     if os.path.exists(args.save) and not args.force:
         raise FileExistsError(f"--save {args.save!r} exists; pass --force to replace it or --save another file")
+    parent = os.path.dirname(os.path.abspath(args.save))
+    if not os.path.isdir(parent):  # checked before the tuning, not after it (all of it lost)
+        raise ValueError(f"--save {args.save!r}: its folder {parent!r} does not exist")
     counts = None
     if args.autotune_instances:
         try:

@@ -162,9 +162,10 @@ def build_plan(layout: Layout, script: str, script_args: list[str], host: Host, 
 
     procs = []
     for inst in layout.instances:
-        wanted = {**shared, **bind.omp_env(kind, inst.cpus), "TORCHKILN_INSTANCE": str(inst.index),
-                  "TORCHKILN_INSTANCES": str(n)}
-        env = _merge(wanted, environ, notes)
+        env = _merge({**shared, **bind.omp_env(kind, inst.cpus)}, environ, notes)
+        # torchkiln's own numbering always: kept from the environment (a nested run, an exported shell
+        # variable), every instance read the same number and did the same share of the work twice
+        env.update({"TORCHKILN_INSTANCE": str(inst.index), "TORCHKILN_INSTANCES": str(n)})
         # Output goes through a pipe to be prefixed; unbuffered, lines arrive as they are printed.
         if "PYTHONUNBUFFERED" not in environ:
             env["PYTHONUNBUFFERED"] = "1"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
@@ -35,7 +36,10 @@ def _affinity(cpus: tuple[int, ...]):
 
 
 def _pump(proc: subprocess.Popen, prefix: str, log: Path | None, out: TextIO, lock: threading.Lock) -> None:
-    with open(log, "wb") if log else open(os.devnull, "wb") as sink:
+    # Appended, under a header per run: an earlier run's log in the same --log-dir was overwritten
+    with open(log, "ab") if log else open(os.devnull, "wb") as sink:
+        if log:
+            sink.write(f"=== torchkiln run, {time.strftime('%Y-%m-%d %H:%M:%S')}, pid {proc.pid} ===\n".encode())
         for raw in iter(proc.stdout.readline, b""):
             sink.write(raw)
             text = raw.decode(errors="replace")
@@ -50,6 +54,8 @@ def run_processes(launches: Sequence[InstanceLaunch], log_dir: str | None = None
     out = sys.stdout if out is None else out
     environ = os.environ if environ is None else environ
     if log_dir:
+        if Path(log_dir).exists() and not Path(log_dir).is_dir():
+            raise ValueError(f"--log-dir {log_dir!r} is a file, not a folder")
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
 

@@ -293,8 +293,10 @@ def tune(script: str, script_args: Sequence[str], topology, host=None, instances
     trials = tuple(_trial(lay, res, err) for lay, res, err in zip(layouts, results, errors, strict=True))
     ok = [t for t in trials if t.error is None]
     if not ok:
-        raise RuntimeError("torchkiln autotune: every layout failed:\n" +
+        err = RuntimeError("torchkiln autotune: every layout failed:\n" +
                            "\n".join(f"  {t.instances} x {t.cores_per_instance}: {t.error}" for t in trials))
+        err.for_the_user = True  # the CLI prints it as it is (it was a traceback)
+        raise err
     pick = max if goal == "throughput" else min
     best = pick(ok, key=lambda t: t.items_per_s if goal == "throughput" else t.latency_ms)
     chosen = {"instances": best.instances, "cores_per_instance": best.cores_per_instance,
