@@ -275,6 +275,10 @@ def test_zoo_callable_and_errors():
     # A callable that needs arguments is named with what it lacks (it was a raw TypeError).
     with pytest.raises(ValueError, match=r"'torch.nn:Linear' needs argument\(s\) in_features, out_features"):
         zoo.load("torch.nn:Linear")
+    for bad in ("-1,4", "0,4"):  # a traceback, and an empty tensor checked "ok"
+        with pytest.raises(ValueError, match=f"--shape '{bad}': every size must be at least 1"):
+            commands._shape(bad)
+    assert commands._shape("2,4") == (2, 4)
 
 
 def test_demo_model_falls_back_without_transformers(monkeypatch):

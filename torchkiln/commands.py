@@ -11,9 +11,12 @@ def _shape(text: str | None):
     if not text:
         return None
     try:
-        return tuple(int(x) for x in text.split(","))
+        shape = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"--shape {text!r} is not a comma-separated list of ints, e.g. 1,3,224,224") from None
+    if any(n < 1 for n in shape):  # a negative size was a traceback, a zero one an empty "ok" check
+        raise ValueError(f"--shape {text!r}: every size must be at least 1, e.g. 1,3,224,224")
+    return shape
 
 
 def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32", extra: str = "") -> None:
