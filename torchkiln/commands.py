@@ -30,6 +30,14 @@ def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32", e
     p.add_argument("--level", default="O1", choices=["O0", "O1", "O2"])
 
 
+def _check_device(args) -> None:
+    """--device names a usable device (else a clear error, before any model is built)."""
+    if args.device:
+        from .hardware import resolve_device
+
+        resolve_device(args.device, arg="--device {!r}")
+
+
 def _load(args):
     import torch
 
@@ -40,10 +48,7 @@ def _load(args):
     for name in ("batch", "seq"):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
-    if args.device:
-        from .hardware import resolve_device
-
-        resolve_device(args.device, arg="--device {!r}")
+    _check_device(args)
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
     if args.device:
         from .inputs import normalize, to
@@ -71,14 +76,12 @@ def _outputs(args) -> None:
             args.plot = plot = plot + ".png"
         elif ext not in PLOT_FORMATS:
             raise ValueError(f"--plot {plot!r}: {ext!r} is not a chart format; use one of {', '.join(PLOT_FORMATS)}")
-        if os.path.isdir(plot):
-            raise ValueError(f"--plot {plot!r} is a folder; give a file name (e.g. {os.path.join(plot, 'bench.png')})")
-        if os.path.exists(plot) and not getattr(args, "force", False):
-            raise FileExistsError(f"--plot {plot!r} exists; pass --force to overwrite it")
     for option, path in (("--plot", plot), ("--results", getattr(args, "results", None))):
         if path:
             if os.path.isdir(path):
                 raise ValueError(f"{option} {path!r} is a folder; give a file name")
+            if option == "--plot" and os.path.exists(path) and not getattr(args, "force", False):
+                raise FileExistsError(f"--plot {path!r} exists; pass --force to overwrite it")
             parent = os.path.dirname(os.path.abspath(path))
             try:
                 os.makedirs(parent, exist_ok=True)
@@ -176,13 +179,10 @@ def _bench_llm(args) -> int:
         value = getattr(args, name)
         if value is None or value < least:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
-    parse_dtype(args.dtype)
-    if args.device:
-        from .hardware import resolve_device
-
-        resolve_device(args.device, arg="--device {!r}")
+    dtype = parse_dtype(args.dtype)
+    _check_device(args)
     _outputs(args)
-    rows, info = llm_bench.run(args.config, args.device or "cpu", parse_dtype(args.dtype), quant, args.batch,
+    rows, info = llm_bench.run(args.config, args.device or "cpu", dtype, quant, args.batch,
                                args.prompt, args.new_tokens, args.rounds, peers,
                                progress=not args.json and not args.no_progress, lookup=args.lookup)
     if args.json:

@@ -88,18 +88,18 @@ def choose_alpha(linear: nn.Linear, x: torch.Tensor, amax: torch.Tensor, grid=GR
     if held_out:
         if len(x) < 4:  # too few rows to tell an alpha from noise: leave the layer alone
             return None
-        halves = (x[: len(x) // 2], x[len(x) // 2:])
-        pairs = (halves, halves[::-1])
+        a, b = x[: len(x) // 2], x[len(x) // 2:]
+        folds = ((a, b, a.abs().amax(0)), (b, a, b.abs().amax(0)))  # (fit, scored, fit's maxima)
     else:
-        pairs = ((x, x),)
+        folds = ((x, x, amax.cpu()),)
+    refs = [score @ w.T for _, score, _ in folds]
     best, best_err = None, float("inf")
     for alpha in grid:
         err = 0.0
-        for fit, score in pairs:
-            m = amax.cpu() if not held_out else fit.abs().amax(0)
+        for (fit, score, m), ref in zip(folds, refs, strict=True):
             s = torch.ones(w.shape[1]) if alpha is None else _scale(m, w, alpha)
             y = _fake_act(score / s, fit / s) @ _fake_weight(w * s).T
-            err += float((y - score @ w.T).pow(2).mean())
+            err += float((y - ref).pow(2).mean())
         if err < best_err:
             best, best_err = alpha, err
     return best
