@@ -252,7 +252,50 @@ def test_cli_demo_small_model(capsys):
 
 def test_cli_bad_dtype_is_one_clear_line(capsys):
     assert cli.main(["bench", "mlp", "--dtype", "int3"]) == 2
-    assert "dtype='int3' is not supported" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--dtype 'int3' is not supported; use float32, bfloat16 or float16" in err and "dtype=" not in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "mlp", "--iters", "x"], ["nosuch"], ["bench"],
+                                  ["run", "--instances", "q", "x.py"], ["check", "mlp", "--level", "O9"]])
+def test_usage_errors_are_json_under_json(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--json"] if argv[0] != "run" else ["run", "--json", *argv[1:]])
+    assert e.value.code == 2
+    out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, not usage text
+    assert out["error"] == "UsageError" and "torchkiln" in out["message"]
+    with pytest.raises(SystemExit):  # and argparse's own text without --json
+        cli.main(argv)
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage: torchkiln" in captured.err
+
+
+@pytest.mark.parametrize("argv, words", [(["--model", "nosuch"], "unknown model 'nosuch'"),
+                                         (["--iters", "0"], "--iters 0"), (["--batch", "0"], "--batch 0"),
+                                         (["--dtype", "bf17"], "--dtype 'bf17'"),
+                                         (["--plot", "chart.txt"], "not a chart format")])
+def test_cli_demo_errors_come_before_its_banner(capsys, monkeypatch, argv, words):
+    monkeypatch.setattr(zoo, "load", lambda *a, **k: pytest.fail("built a model"))
+    assert cli.main(["demo", *argv]) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "optimizing a built-in" not in captured.out
+
+
+def test_cli_bench_llm_stdout_is_the_table_or_the_json(capsys, monkeypatch):
+    # progress goes to stderr (a bar), so --json's stdout parses and the table stands alone
+    from torchkiln.llm import bench as llm_bench
+
+    monkeypatch.setitem(llm_bench.CONFIGS, "tiny", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                                        max_position_embeddings=64))
+    argv = ["bench", "llm", "--config", "tiny", "--peers", "hf-eager", "--rounds", "2", "--new-tokens", "3",
+            "--prompt", "4"]
+    assert cli.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["peer"] for r in rows] == ["hf-eager"] and rows[0]["tok_s"] > 0
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny on cpu") and "round 1/2" not in out and "first call:" not in out
 
 
 def test_zoo_resnet50_uses_torchvision_names_and_counts():

@@ -60,6 +60,20 @@ def _cmd_doctor(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a bad choice, a missing value) as JSON on stdout when --json was given, so
+    a script reading the output gets ``{"error": ...}`` for every bad call, not usage text it cannot
+    parse. Exit code 2, as argparse's."""
+
+    json_errors = False  # set by main() from the raw arguments, before parsing them
+
+    def error(self, message):
+        if _Parser.json_errors:
+            _print_json({"error": "UsageError", "message": f"{self.prog}: {message}"})
+            self.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     def shared(defaults: bool) -> argparse.ArgumentParser:
         # Given before or after the subcommand. The subcommands' copy has no defaults: with them, a
@@ -71,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     common = shared(False)
-    p = argparse.ArgumentParser(prog="torchkiln", description=__doc__, parents=[shared(True)])
+    p = _Parser(prog="torchkiln", description=__doc__, parents=[shared(True)])
     p.add_argument("--version", action="store_true", help="print the version (with --json: as JSON) and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -88,9 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    # --json among torchkiln's own arguments: those before `run`'s script (its arguments are the script's)
+    _Parser.json_errors = "--json" in raw[:next((i for i, a in enumerate(raw) if a.endswith(".py")), len(raw))]
     parser = build_parser()
     args = parser.parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)
+    args._argv = raw
     _log.configure(args.log_level)
     if args.version:
         if args.json:

@@ -19,6 +19,17 @@ def _shape(text: str | None):
     return shape
 
 
+def _dtype(text: str):
+    """--dtype as a torch dtype; the error names the option, not parse_dtype's keyword."""
+    from .modelutil import parse_dtype
+
+    try:
+        return parse_dtype(text)
+    except ValueError:
+        raise ValueError(f"--dtype {text!r} is not supported; use float32, bfloat16 or float16 "
+                         "(or fp32, bf16, fp16)") from None
+
+
 def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32", extra: str = "") -> None:
     p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
                                "or package.module:callable" + extra)
@@ -38,17 +49,33 @@ def _check_device(args) -> None:
         resolve_device(args.device, arg="--device {!r}")
 
 
+def _model_args_ok(args) -> None:
+    """Fail fast on bad model options, before building a model (or printing the demo's banner)."""
+    from . import zoo
+
+    _dtype(args.dtype)
+    for name in ("batch", "seq"):
+        if getattr(args, name, 1) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
+    if ":" not in args.model and args.model not in zoo.MODELS:
+        raise ValueError(f"unknown model {args.model!r}; use one of {sorted(zoo.MODELS)} or 'package.module:callable'")
+    _check_device(args)
+
+
+def _bench_args_ok(args) -> None:
+    _outputs(args)
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
+                         "negative warm-up")
+    _model_args_ok(args)
+
+
 def _load(args):
     import torch
 
     from . import zoo
-    from .modelutil import parse_dtype
 
-    parse_dtype(args.dtype)  # fail fast on bad arguments, before building a model
-    for name in ("batch", "seq"):
-        if getattr(args, name, 1) < 1:
-            raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
-    _check_device(args)
+    _model_args_ok(args)
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
     if args.device:
         from .inputs import normalize, to
@@ -93,14 +120,10 @@ def _bench(args, model_name: str) -> int:
     import torch
 
     from .bench import bench, gemm_peak
-    from .modelutil import parse_dtype
 
-    _outputs(args)
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
-                         "negative warm-up")
+    _bench_args_ok(args)
     model, sample = _load(args)
-    dtype = parse_dtype(args.dtype)
+    dtype = _dtype(args.dtype)
     device = torch.device(args.device) if args.device else torch.device("cpu")
     peak = gemm_peak(dtype, device) if args.peak else None
     peers = args.peers.split(",") if args.peers else None
@@ -163,7 +186,6 @@ def _bench_ipex(args) -> int:
 def _bench_llm(args) -> int:
     """`torchkiln bench llm`: tk.llm against transformers' generate (eager and static cache)."""
     from .llm import bench as llm_bench
-    from .modelutil import parse_dtype
 
     if args.config not in llm_bench.CONFIGS:
         raise ValueError(f"--config {args.config!r} is not one of {sorted(llm_bench.CONFIGS)}")
@@ -179,7 +201,7 @@ def _bench_llm(args) -> int:
         value = getattr(args, name)
         if value is None or value < least:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be at least {least}")
-    dtype = parse_dtype(args.dtype)
+    dtype = _dtype(args.dtype)
     _check_device(args)
     _outputs(args)
     rows, info = llm_bench.run(args.config, args.device or "cpu", dtype, quant, args.batch,
@@ -210,9 +232,8 @@ def _demo_peers(dtype: str) -> str:
     import torch
 
     from .bench import peers_for
-    from .modelutil import parse_dtype
 
-    names = [n for n in peers_for(torch.device("cpu"), parse_dtype(dtype)) if n.startswith("compile+freezing")]
+    names = [n for n in peers_for(torch.device("cpu"), _dtype(dtype)) if n.startswith("compile+freezing")]
     return ",".join([*names, "torchkiln"])
 
 
@@ -221,6 +242,7 @@ def _cmd_demo(args) -> int:
     args.shape, args.device, args.level, args.results = None, None, "O1", None
     args.peak, args.autotune_peers = True, False
     args.peers = args.peers or _demo_peers(args.dtype)
+    _bench_args_ok(args)  # errors before the banner, not after it
     if not args.json:
         print(f"torchkiln demo: optimizing a built-in {args.model} (random weights) at batch {args.batch} "
               "and timing it against stock PyTorch in this process...\n")

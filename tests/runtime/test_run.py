@@ -149,18 +149,23 @@ def test_dry_run_is_fast_as_a_command(show, tmp_path):
 @pytest.mark.parametrize("argv,words", [
     (["run", "missing.py"], ["missing.py", "does not exist"]),
     (["run", "--dry-run"], ["no script given"]),
-    (["run", "--instances", "999", "SHOW"], ["instances=999", "at most"]),
-    (["run", "--node-id", "7", "SHOW"], ["node_id=7", "use one of"]),
+    (["run", "FOLDER"], ["is a folder", "give the Python file"]),
+    # the options as typed, not plan_layout's keywords (instances=999 read as a Python call)
+    (["run", "--instances", "999", "SHOW"], ["--instances 999", "at most"]),
+    (["run", "--nproc-per-node", "999", "SHOW"], ["--nproc-per-node 999", "at most"]),
+    (["run", "--node-id", "7", "SHOW"], ["--node-id 7", "use one of"]),
+    (["run", "--instances", "0", "SHOW"], ["--instances 0", "positive"]),
     (["run", "--nnodes", "2", "SHOW"], ["--nnodes", "--nproc-per-node"]),
     (["run", "--nproc-per-node", "2", "--instances", "3", "SHOW"], ["--instances 3", "drop --instances"]),
 ])
-def test_bad_input_is_one_line_and_exit_2(show, capsys, monkeypatch, argv, words):
+def test_bad_input_is_one_line_and_exit_2(show, capsys, monkeypatch, tmp_path, argv, words):
     monkeypatch.setenv("EXIT_0", "5")
-    assert cli.main([show if a == "SHOW" else a for a in argv]) == 2
+    assert cli.main([show if a == "SHOW" else str(tmp_path) if a == "FOLDER" else a for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("torchkiln: error:") and err.count("\n") == 1
     for w in words:
         assert w in err, err
+    assert "=" not in err.split(":")[2], err  # no keyword=value in the option's place
 
 
 def test_torchrun_dry_run(show, capsys):

@@ -26,6 +26,7 @@ import unittest.mock
 
 import torch
 
+from ..progress import ticks
 from ..timing import synchronize
 
 CONFIGS = {  # LlamaConfig fields; random weights
@@ -164,32 +165,34 @@ def run(name: str = "llama-125m", device="cpu", dtype=torch.float32, quant=(), b
     # twentieth session), which moved the "% of copy bw" of an unchanged peer by 15 points
     bws = [copy_bandwidth(device)]
     reference, ref_peer = None, ""
-    for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
-        if progress:
-            print(f"  first call: {peer} ...", flush=True)
-        synchronize(device)
-        t = time.perf_counter()
-        out = fn(new)
-        synchronize(device)
-        first[peer] = first.get(peer, 0.0) + time.perf_counter() - t
-        fn(1)
-        if reference is None:
-            reference, ref_peer = out, peer
-        elif not peer.endswith(("int8", "int4")) and not torch.equal(out, reference):
-            # bf16 kernels may flip a near-tie on random weights; count, do not hide
-            first[f"{peer} (tokens differ from {ref_peer})"] = float((out != reference).sum())
-    times = {p: {"n": [], "1": []} for p in gens}
-    for r in range(rounds):
-        if progress:
-            print(f"  round {r + 1}/{rounds}", flush=True)
-        bws.append(copy_bandwidth(device))
-        for peer, fn in gens.items():
-            for key, n in (("n", new), ("1", 1)):
-                synchronize(device)
-                t = time.perf_counter()
-                fn(n)
-                synchronize(device)
-                times[peer][key].append(time.perf_counter() - t)
+    # a bar on stderr, as the other benchmarks: stdout carries only the table (or the JSON)
+    with ticks(progress, "LLM bench: first calls, rounds", len(gens) + rounds) as tick:
+        for peer, fn in gens.items():  # first calls: compile, and a check that every peer decodes the same
+            synchronize(device)
+            t = time.perf_counter()
+            out = fn(new)
+            synchronize(device)
+            first[peer] = first.get(peer, 0.0) + time.perf_counter() - t
+            fn(1)
+            if reference is None:
+                reference, ref_peer = out, peer
+            elif not peer.endswith(("int8", "int4")) and not torch.equal(out, reference):
+                # bf16 kernels may flip a near-tie on random weights; count, do not hide
+                first[f"{peer} (tokens differ from {ref_peer})"] = float((out != reference).sum())
+            if tick:
+                tick()
+        times = {p: {"n": [], "1": []} for p in gens}
+        for _ in range(rounds):
+            bws.append(copy_bandwidth(device))
+            for peer, fn in gens.items():
+                for key, n in (("n", new), ("1", 1)):
+                    synchronize(device)
+                    t = time.perf_counter()
+                    fn(n)
+                    synchronize(device)
+                    times[peer][key].append(time.perf_counter() - t)
+            if tick:
+                tick()
     bw = statistics.median(bws)
     rows = []
     for peer in gens:
