@@ -244,13 +244,11 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
     B, L = ids.shape
     if mask is None:
         mask = torch.ones_like(ids)
-    pads = left_padding(mask)
+    left_padding(mask)  # right padding: Fallback
     s = req.sampling
     pad = req.pad
-    if pad is None and not s.eos and bool(pads.any()):
-        raise ValueError("this batch is padded but neither pad_token_id nor eos_token_id is set; set "
-                         "tokenizer.pad_token (e.g. tokenizer.pad_token = tokenizer.eos_token) and pass "
-                         "pad_token_id=tokenizer.pad_token_id")
+    # With no pad and no eos token a left-padded batch still decodes, as in transformers: no row stops
+    # early, so no row is ever padded after its end (this raised before: the tk.llm probe, 2026-11-26).
     if pad is None and s.eos:
         pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
     speculate = (req.lookup > 0 and B == 1 and not s.do_sample and s.repetition_penalty == 1.0
