@@ -100,18 +100,9 @@ class TrainModule(OriginalFace):
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
         compiled = torch.compile(Fresh(self._eager), options=opts) if rec.compile else None
-        ddp = compiled is not None and _under_ddp(self.kiln_original)
-        if ddp:
+        if compiled is not None and _under_ddp(self.kiln_original):
             compiled = OneGraph(compiled)
         s(self, "_compiled", compiled)
-        # CUDA graphs for the compiled step: one process, float32 masters as they are (graphed.py says why)
-        graphed = None
-        if compiled is not None and self._device.type == "cuda" and not ddp and self._split is None:
-            from .graphed import GraphedStep
-
-            graphed = GraphedStep(compiled, self.kiln_original, self._device)
-        s(self, "_graphed", graphed)
-        s(self, "_graph_verdict", None)
         s(self, "_fn", None)
 
     def __getstate__(self):
@@ -220,11 +211,8 @@ class TrainModule(OriginalFace):
         report, t0 = self.kiln_report, time.perf_counter()
         args, kwargs = inputs.tree_map(lambda t: t.detach(), (args, kwargs))
         cands = {"eager": self._eager, "compiled": self._compiled}
-        if self._graphed is not None and _world() == 1 and not _sharded(self.kiln_original):
-            cands["graphed"] = self._graphed
         rec = self.kiln_recipe
-        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})",
-                 "graphed": f"compiled forward+backward in CUDA graphs ({rec.dtype})"}
+        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})"}
         report.candidates = [Measurement(names[n], "eager" if n == "eager" else "torchkiln", rec.dtype)
                              for n in cands]
         by = dict(zip(cands, report.candidates, strict=True))
@@ -255,19 +243,7 @@ class TrainModule(OriginalFace):
             passed.append("compiled")
         else:
             reject(why, what)
-        if "graphed" in cands:
-            unchecked = (True, "") if self._opts["verify"] == "off" else (False, "not verified")
-            g_ok, g_why = self._graph_verdict or unchecked
-            if ok and g_ok:
-                passed.append("graphed")
-            else:
-                by["graphed"].status, by["graphed"].reason = "failed", g_why if ok else "the compiled step was rejected"
         best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
-        if self._graphed is not None:
-            if best == "graphed":
-                self._graphed.strict = False  # a later call form that fails to capture runs the compiled step
-            else:
-                self._graphed.reset()  # its graphs' memory back
         for n, m in by.items():
             if m.status != "failed":
                 m.status = "served" if n == best else "passed"
@@ -356,7 +332,6 @@ class TrainModule(OriginalFace):
             if got is None:
                 _release(self._device)
                 return False, "the compiled step ran out of device memory where eager fits"
-            graphed = self._graphed_step(params, args, kwargs, proj)
         tols = tolerances(dtype, base_errors, len(ref), tf32_allowed(self._device, has_conv(self.kiln_original)))
         if base_errors is not None:
             # Eager under autocast is what a rejected compiled step falls back to, so where eager itself
@@ -369,26 +344,7 @@ class TrainModule(OriginalFace):
                                   "reference": truth, **v.to_dict()}
         worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
         self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
-        if isinstance(graphed, str):
-            object.__setattr__(self, "_graph_verdict", (False, graphed))
-        elif graphed is not None:  # the replayed step against the same reference and tolerances
-            vg = Verdict(tuple(_errors(graphed, ref, n_out, scale)), tuple(tols), names)
-            object.__setattr__(self, "_graph_verdict", (vg.ok, str(vg)))
         return v.ok, str(v)
-
-    def _graphed_step(self, params, args, kwargs, proj):
-        """One step of the CUDA-graphed candidate (its outputs and gradients, from a replay), or why it
-        failed; its graphs are dropped after (captured with the guard's module flags, not training's)."""
-        if self._graphed is None or _world() > 1 or _sharded(self.kiln_original):
-            return None
-        try:
-            return probe.step(self._graphed, params, args, kwargs, cache=proj)
-        except Exception as e:
-            if is_oom(e):
-                _release(self._device)
-            return f"{type(e).__name__}: {first_line(e)}"
-        finally:
-            self._graphed.reset()
 
     def _time(self, fns: dict, by: dict, args, kwargs) -> str:
         errors: dict = {}
@@ -469,11 +425,6 @@ def _under_ddp(model: nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return hasattr(torch._dynamo.config, "optimize_ddp") and any(isinstance(m, DDP) for m in model.modules())
-
-
-def _sharded(model: nn.Module) -> bool:
-    """FSDP2 (fully_shard) or tensor-parallel parameters: DTensors, whose collectives a graph would bake in."""
-    return any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in model.parameters())
 
 
 def _release(device: torch.device) -> None:
