@@ -8,7 +8,9 @@ each peer on its own copy of the model:
   stock             torch.compile(model), autocast in the loop, AdamW(fused=True)
   reduce-overhead   the same with torch.compile(mode="reduce-overhead") (inductor's CUDA graph trees)
   graphed           torch.cuda.make_graphed_callables over the compiled loss: one graph for the forward,
-                    one for the backward, the loop unchanged (what tk.optimize could serve)
+                    one for the backward, the loop unchanged. Not servable as it is: its backward hands
+                    autograd the graph's own gradient buffers, so an accumulated .grad (two backwards, one
+                    step) came out as twice the last micro-batch's (H200, thirty-ninth session; RESULTS.md)
   whole-step        forward, backward and a capturable fused AdamW step in one CUDA graph (the ceiling:
                     not servable, the user's loop calls the three itself)
   torchkiln         tk.optimize(model, optimizer=AdamW(...), dtype=bfloat16)
