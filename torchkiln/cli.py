@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -65,16 +66,19 @@ class _Parser(argparse.ArgumentParser):
     a script reading the output gets ``{"error": ...}`` for every bad call, not usage text it cannot
     parse. Exit code 2, as argparse's."""
 
-    json_errors = False  # set by main() from the raw arguments, before parsing them
+    def __init__(self, *args, json_errors: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.json_errors = json_errors
 
     def error(self, message):
-        if _Parser.json_errors:
+        if self.json_errors:
             _print_json({"error": "UsageError", "message": f"{self.prog}: {message}"})
             self.exit(2)
         super().error(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    """``json_errors``: argparse's own errors as JSON (main() decides it from the raw arguments)."""
     def shared(defaults: bool) -> argparse.ArgumentParser:
         # Given before or after the subcommand. The subcommands' copy has no defaults: with them, a
         # subcommand reset `torchkiln --json doctor`'s --json to False (the new-user sweep, 2026-11-23).
@@ -85,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     common = shared(False)
-    p = _Parser(prog="torchkiln", description=__doc__, parents=[shared(True)])
+    p = _Parser(prog="torchkiln", description=__doc__, parents=[shared(True)], json_errors=json_errors)
     p.add_argument("--version", action="store_true", help="print the version (with --json: as JSON) and exit")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND",
+                           parser_class=functools.partial(_Parser, json_errors=json_errors))
 
     d = sub.add_parser("doctor", parents=[common], help="describe this machine and what is usable")
     d.add_argument("--probe-timeout", type=float, default=None, help="seconds per device probe (20)")
@@ -104,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     # --json among torchkiln's own arguments: those before `run`'s script (its arguments are the script's)
-    _Parser.json_errors = "--json" in raw[:next((i for i, a in enumerate(raw) if a.endswith(".py")), len(raw))]
-    parser = build_parser()
+    parser = build_parser(json_errors="--json" in raw[:next((i for i, a in enumerate(raw) if a.endswith(".py")),
+                                                             len(raw))])
     args = parser.parse_args(argv)
     args._argv = raw
     _log.configure(args.log_level)

@@ -57,25 +57,16 @@ def _model_args_ok(args) -> None:
     for name in ("batch", "seq"):
         if getattr(args, name, 1) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
-    if ":" not in args.model and args.model not in zoo.MODELS:
-        raise ValueError(f"unknown model {args.model!r}; use one of {sorted(zoo.MODELS)} or 'package.module:callable'")
+    zoo.check_name(args.model)
     _check_device(args)
 
 
-def _bench_args_ok(args) -> None:
-    _outputs(args)
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
-                         "negative warm-up")
-    _model_args_ok(args)
-
-
 def _load(args):
+    """The model and sample the (already checked) options name."""
     import torch
 
     from . import zoo
 
-    _model_args_ok(args)
     model, sample = zoo.load(args.model, batch=args.batch, seq=args.seq, shape=_shape(args.shape))
     if args.device:
         from .inputs import normalize, to
@@ -116,12 +107,19 @@ def _outputs(args) -> None:
                 raise ValueError(f"{option} {path!r}: cannot create its folder {parent!r} ({e.strerror})") from e
 
 
-def _bench(args, model_name: str) -> int:
+def _bench(args, model_name: str, banner: str | None = None) -> int:
+    """``banner``: printed (without --json) once the options are checked, before the model is built."""
     import torch
 
     from .bench import bench, gemm_peak
 
-    _bench_args_ok(args)
+    _outputs(args)
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters {args.iters} / --warmup {args.warmup}: need at least 1 timed call and no "
+                         "negative warm-up")
+    _model_args_ok(args)
+    if banner and not args.json:
+        print(banner)
     model, sample = _load(args)
     dtype = _dtype(args.dtype)
     device = torch.device(args.device) if args.device else torch.device("cpu")
@@ -242,16 +240,14 @@ def _cmd_demo(args) -> int:
     args.shape, args.device, args.level, args.results = None, None, "O1", None
     args.peak, args.autotune_peers = True, False
     args.peers = args.peers or _demo_peers(args.dtype)
-    _bench_args_ok(args)  # errors before the banner, not after it
-    if not args.json:
-        print(f"torchkiln demo: optimizing a built-in {args.model} (random weights) at batch {args.batch} "
-              "and timing it against stock PyTorch in this process...\n")
-    return _bench(args, args.model)
+    return _bench(args, args.model, banner=f"torchkiln demo: optimizing a built-in {args.model} (random weights) "
+                  f"at batch {args.batch} and timing it against stock PyTorch in this process...\n")
 
 
 def _cmd_check(args) -> int:
     from .check import check
 
+    _model_args_ok(args)
     model, sample = _load(args)
     result = check(model, sample, dtype=args.dtype, level=args.level)
     if args.json:

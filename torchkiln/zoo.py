@@ -136,6 +136,12 @@ MODELS: dict[str, Callable] = {
 }
 
 
+def check_name(name: str) -> None:
+    """A zoo name or a ``module:callable`` form (not imported here), else a clear error."""
+    if name not in MODELS and ":" not in name:
+        raise ValueError(f"unknown model {name!r}; use one of {sorted(MODELS)} or 'package.module:callable'")
+
+
 def load(name: str, batch: int = 1, seq: int = 128, shape: tuple[int, ...] | None = None):
     """A zoo name or ``module:callable`` -> (model, sample_input).
 
@@ -145,8 +151,7 @@ def load(name: str, batch: int = 1, seq: int = 128, shape: tuple[int, ...] | Non
     if name in MODELS:
         torch.manual_seed(0)
         return MODELS[name](batch=batch, seq=seq)
-    if ":" not in name:
-        raise ValueError(f"unknown model {name!r}; use one of {sorted(MODELS)} or 'package.module:callable'")
+    check_name(name)
     mod_name, _, attr = name.partition(":")
     try:
         obj = getattr(importlib.import_module(mod_name), attr)

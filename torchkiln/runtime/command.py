@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 
@@ -89,18 +88,6 @@ def _torchrun_options(args):
                            rdzv_endpoint=args.rdzv_endpoint, log_dir=args.log_dir)
 
 
-def _as_options(text: str, torchrun: bool) -> str:
-    """plan_layout's messages name its keyword arguments (it is tk.runtime's API too); on the command
-    line they name the options the user typed (`instances=49` read as a Python call: the CLI probe,
-    2026-11-26)."""
-    option = {"instances": "--nproc-per-node" if torchrun else "--instances",
-              "cores_per_instance": "--cores-per-instance", "node_id": "--node-id"}
-    text = text.replace("use_logical_cores=True", "--use-logical-cores")
-    text = re.sub(r"\b(instances|cores_per_instance|node_id)=", lambda m: option[m[1]] + " ", text)
-    return re.sub(r"\b(lower|or) (instances|cores_per_instance) to\b",
-                  lambda m: f"{m[1]} {option[m[2]]} to", text)
-
-
 def _cmd_run(args) -> int:
     from ..hardware.topology import detect_topology
     from .launch import build_plan, detect_host
@@ -132,10 +119,12 @@ def _cmd_run(args) -> int:
         if why:
             print(f"torchkiln run: warning: {why}", file=sys.stderr, flush=True)
         chosen = tuned or dict(use_logical_cores=args.use_logical_cores)
-    try:
-        layout = plan_layout(topology, **chosen)
-    except ValueError as e:
-        raise ValueError(_as_options(str(e), torchrun is not None)) from None
+    # the messages name the options typed, not plan_layout's keywords (`instances=49` read as a Python
+    # call: the CLI probe, 2026-11-26)
+    options = {"instances": "--nproc-per-node" if torchrun else "--instances",
+               "cores_per_instance": "--cores-per-instance", "node_id": "--node-id",
+               "use_logical_cores": "--use-logical-cores"}
+    layout = plan_layout(topology, **chosen, options=options)
     host = detect_host(layout, numa_nodes=len(topology.nodes()))
     plan = build_plan(layout, script, script_args, host, omp_choice=args.omp,
                       memory_allocator=args.memory_allocator, torchrun=torchrun)

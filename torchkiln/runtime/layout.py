@@ -43,9 +43,20 @@ class Layout:
         return dataclasses.asdict(self)
 
 
-def _check_positive(name: str, value: int | None) -> None:
+def _namer(options: dict[str, str] | None):
+    """How messages name an argument: as the keyword (``instances=49``), or by the caller's option for it
+    (the CLI's ``--instances 49``; a keyword set True is the bare flag). Unnamed: ``instances``."""
+    def named(key: str, value=None) -> str:
+        flag = (options or {}).get(key)
+        if flag is None:
+            return key if value is None else f"{key}={value!r}"
+        return flag if value is None or value is True else f"{flag} {value!r}"
+    return named
+
+
+def _check_positive(what: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
+        raise ValueError(f"{what}: must be a positive integer")
 
 
 def _pool(topology: Topology, logical: bool) -> dict[int, list[int]]:
@@ -75,9 +86,13 @@ def _slice_size_for(instances: int, sizes: Iterable[int]) -> int:
 
 
 def plan_layout(topology: Topology, instances: int | None = None, cores_per_instance: int | None = None,
-                node_id: int | None = None, use_logical_cores: bool = False) -> Layout:
-    _check_positive("instances", instances)
-    _check_positive("cores_per_instance", cores_per_instance)
+                node_id: int | None = None, use_logical_cores: bool = False,
+                options: dict[str, str] | None = None) -> Layout:
+    """``options``: the caller's name for each argument, for the messages (the CLI: {"instances":
+    "--instances", ...}); by default they name the keywords."""
+    named = _namer(options)
+    _check_positive(named("instances", instances), instances)
+    _check_positive(named("cores_per_instance", cores_per_instance), cores_per_instance)
     kind = "logical CPUs" if use_logical_cores else "physical cores"
     by_node = _pool(topology, use_logical_cores)
     if not by_node:
@@ -85,7 +100,7 @@ def plan_layout(topology: Topology, instances: int | None = None, cores_per_inst
     if node_id is not None:
         if node_id not in by_node:
             nodes = ", ".join(map(str, by_node))
-            raise ValueError(f"node_id={node_id}: no such NUMA node among the CPUs this process may use; "
+            raise ValueError(f"{named('node_id', node_id)}: no such NUMA node among the CPUs this process may use; "
                              f"use one of: {nodes}")
         by_node = {node_id: by_node[node_id]}
     sizes = {node: len(cpus) for node, cpus in by_node.items()}
@@ -94,13 +109,13 @@ def plan_layout(topology: Topology, instances: int | None = None, cores_per_inst
     if instances is not None and instances > total:
         more = ""
         if not use_logical_cores and len(topology.cpus) > len(topology.physical()):
-            more = " (or use_logical_cores=True to count hyperthreads too)"
-        raise ValueError(f"instances={instances}: more instances than the {total} {kind} this process may "
+            more = f" (or {named('use_logical_cores', True)} to count hyperthreads too)"
+        raise ValueError(f"{named('instances', instances)}: more instances than the {total} {kind} this process may "
                          f"use{where}; use at most {total}{more}")
     largest = max(sizes.values())
     if cores_per_instance is not None and cores_per_instance > largest:
         biggest = max(sizes, key=sizes.get)
-        raise ValueError(f"cores_per_instance={cores_per_instance}: larger than the largest NUMA node "
+        raise ValueError(f"{named('cores_per_instance', cores_per_instance)}: larger than the largest NUMA node "
                          f"({largest} {kind} on node {biggest}) and an instance never spans nodes; "
                          f"use at most {largest}")
 
@@ -117,9 +132,9 @@ def plan_layout(topology: Topology, instances: int | None = None, cores_per_inst
     if instances is not None and instances > capacity:
         per_node = ", ".join(f"node {n}: {s}" for n, s in sizes.items())
         fits = _slice_size_for(instances, sizes.values())
-        raise ValueError(f"instances={instances} x cores_per_instance={size}: only {capacity} such instances "
-                         f"fit without spanning a NUMA node ({kind} per node: {per_node}); lower instances "
-                         f"to {capacity} or cores_per_instance to {fits}")
+        raise ValueError(f"{named('instances', instances)} x {named('cores_per_instance', size)}: only {capacity} such instances "
+                         f"fit without spanning a NUMA node ({kind} per node: {per_node}); lower {named('instances')} "
+                         f"to {capacity} or {named('cores_per_instance')} to {fits}")
     slices = []
     for node, cpus in by_node.items():
         for start in range(0, len(cpus) - size + 1, size):
