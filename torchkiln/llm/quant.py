@@ -18,9 +18,14 @@ from .model import describe, kernel_why, pick, time_forms
 # called on plain buffers, for decode and prefill alike; elsewhere Int4Linear's own layout (the Triton
 # GEMV for CUDA decode, the expression otherwise). On the H200, bs1 GEMVs of Llama-3-8B's shapes:
 # tinygemm 1.44-1.81x bf16, the Triton int4 GEMV 1.10-1.44x (benchmarks/RESULTS.md, "Triton int8/int4
-# decode GEMVs"); the expression alone decoded at 66 tok/s. "torchao" reaches the same kernel through
-# torchao's tensor subclass: its decode step left the GPU idle ~2 ms per token (RESULTS.md, "int4
-# decode"), so it is kept only for comparison. "triton" forces Int4Linear's own layout.
+# decode GEMVs"); the expression alone decoded at 66 tok/s. "cuda": torchkiln's own CUDA kernel
+# (kernels/cuda_int4.cu, tensor cores, Int4Linear's mma layout) where nvcc builds it: 1.02-1.40x
+# tinygemm per shape and Llama-3-8B int4 decode 1.13x (RESULTS.md, fortieth session), on request
+# only until a batch-8 decode's rows match the same rows decoded alone as they do under tinygemm
+# (tests/llm/test_cuda_llm.py: 3 tokens apart, against at most 1; not yet explained). "torchao"
+# reaches tinygemm through torchao's tensor subclass: its decode step left the GPU idle ~2 ms per
+# token (RESULTS.md, "int4 decode"), so it is kept only for comparison. "tinygemm" and "triton"
+# force one.
 INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
 
@@ -88,8 +93,9 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
                 group = _int4_group(child)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
-                tiny = impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
-                setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine))
+                mma = impl == "cuda" and Int4Linear.fits_mma(child, group)
+                tiny = not mma and impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
+                setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine, mma=mma))
             done += 1
     return done
 

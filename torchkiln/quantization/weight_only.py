@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cuda_int4
 from . import fallback, gemv
 from .config import QuantConfig
 from .schemes import CPU_KERNEL_DTYPES
@@ -33,6 +34,9 @@ TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multip
 # it was 0.8-0.85x the dense form at 32 rows, 1.08-1.25x at 48, 1.6-5.9x at 64-256
 # (benchmarks/diag_rows.py; RESULTS.md, "int4 and int8 at batch > 1").
 TINYGEMM_ROWS = 40
+# calls of up to this many rows run torchkiln's CUDA int4 kernel (8 rows a launch) in the mma layout;
+# wider ones dequantize for cuBLAS
+MMA_ROWS = 64
 KERNEL_SCHEMES = ("int8-weight-only", "int4-weight-only")  # what backend "kernels" serves
 
 
@@ -126,7 +130,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
 
-    Two layouts. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
+    Three layouts. ``mma=True`` (CUDA in bf16, where nvcc builds torchkiln's kernel; the LLM path's
+    on request, llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout, calls of up to MMA_ROWS rows through that
+    kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
     kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
     value of q = 8 (``zero + 8 * scale`` here), for every call on the CPU and CUDA calls of up to
     TINYGEMM_ROWS rows; wider CUDA calls dequantize the tiles for cuBLAS (gemv.tinygemm_dense).
@@ -136,11 +142,13 @@ class Int4Linear(nn.Module):
     (uint8 codes [n, k], scale, lo) chosen elsewhere (GPTQ) on int4_grid's grid; by default the
     nearest values."""
 
-    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False, codes: tuple | None = None):
+    def __init__(self, linear: nn.Linear, group: int = 128, tinygemm: bool = False, codes: tuple | None = None,
+                 mma: bool = False):
         super().__init__()
         self.in_features = linear.in_features
-        self.tinygemm = tinygemm
-        self.kernel = not tinygemm and gemv.wanted(linear.weight)
+        self.tinygemm = tinygemm and not mma
+        self.mma = mma
+        self.kernel = not tinygemm and not mma and gemv.wanted(linear.weight)
         n, k = linear.weight.shape
         if codes is None:
             scale, lo = int4_grid(linear.weight, group)
@@ -149,7 +157,12 @@ class Int4Linear(nn.Module):
         else:
             q, scale, lo = (t.to(linear.weight.device) for t in codes)
             q = q.view(n, k // group, group)
-        if tinygemm:
+        if mma:  # torchkiln's CUDA kernel (kernels/cuda_int4.cu): its tile layout, scale and zero as below
+            self.register_buffer("packed", cuda_int4.pack(q.view(n, k)))
+            self.register_buffer("scale", scale.to(linear.weight.dtype))
+            self.register_buffer("zero", lo.to(linear.weight.dtype))
+            self.config = cuda_int4.tune(n, k, group, linear.weight.device)  # one-row launch shape
+        elif tinygemm:
             q = q.view(n, k)
             if linear.weight.is_cuda:
                 pairs = (q[:, ::2] << 4) | q[:, 1::2]  # the byte form the CUDA packing takes
@@ -177,8 +190,17 @@ class Int4Linear(nn.Module):
         return (here and w.dtype == torch.bfloat16 and w.shape[0] % (8 if w.is_cuda else 16) == 0
                 and w.shape[1] % (16 * TINYGEMM_TILES) == 0 and group in (32, 64, 128, 256))
 
+    @staticmethod
+    def fits_mma(linear: nn.Linear, group: int) -> bool:
+        """Can torchkiln's CUDA int4 kernel hold this layer (bf16 on CUDA, its shape; built here)?"""
+        w = linear.weight
+        return (w.is_cuda and cuda_int4.fits(w.shape[0], w.shape[1], group, w.dtype)
+                and cuda_int4.load(w.device) is None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tinygemm and x.is_cuda and x.shape[:-1].numel() > TINYGEMM_ROWS and hasattr(self, "order"):
+        if self.mma:
+            out = self._mma(x)
+        elif self.tinygemm and x.is_cuda and x.shape[:-1].numel() > TINYGEMM_ROWS and hasattr(self, "order"):
             out = F.linear(x, gemv.tinygemm_dense(self.packed, self.scale_zero, self.order, self.group))
         elif self.tinygemm:
             rows = x.reshape(-1, self.in_features).contiguous()
@@ -194,6 +216,24 @@ class Int4Linear(nn.Module):
             w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
             out = F.linear(x, w)
         return out + self.bias if self.bias is not None else out
+
+    def _mma(self, x: torch.Tensor) -> torch.Tensor:
+        """The mma layout: calls of up to MMA_ROWS rows through the kernel, 8 rows a launch (its
+        MMA's columns), every launch with the layer's one launch shape, so that a row's sums run in
+        the same order whatever the batch (a batch of 8 decoded otherwise differed from its rows
+        decoded alone); wider ones (long prompts) dequantize the weight for cuBLAS."""
+        k, n = self.in_features, self.out_features
+        rows = x.reshape(-1, k)
+        if x.is_cuda and x.dtype == torch.bfloat16 and rows.shape[0] <= MMA_ROWS:
+            parts = [torch.ops.torchkiln.cuda_int4_mm(rows[i:i + cuda_int4.MAX_ROWS].contiguous(), self.packed,
+                                                      self.scale, self.zero, self.group, self.config)
+                     for i in range(0, rows.shape[0], cuda_int4.MAX_ROWS)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:
+            q = cuda_int4.unpack(self.packed).view(n, k // self.group, self.group)
+            w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+            out = F.linear(rows, w)
+        return out.view(*x.shape[:-1], n)
 
 
 def apply(model: nn.Module, config: QuantConfig, device: torch.device, codes: dict | None = None) -> None:

@@ -1,0 +1,115 @@
+"""torchkiln's CUDA C++ int4 kernel (kernels/cuda_int4.cu, on the tensor cores) against tinygemm, the
+Triton word kernel and bf16 cuBLAS, one row, at Llama-3-8B's shapes; each peer inside one CUDA graph over
+>= 256 MB of weight copies (llm_gemv.py's harness), medians of interleaved rounds. Every launch
+shape the op offers is timed, so the table also picks the op's per-shape default. Run on the GPU:
+
+    python benchmarks/diag_cuda_int4.py [--rounds 5] [--configs 0,1,...]
+
+Before timing, each peer's output is checked against the weights dequantized in float32 (relative
+error; a peer past 1e-2 is reported and left out), and the op is checked at groups 32/64/256 and
+at 3 and 8 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from llm_gemv import SHAPES, graph_of, time_graph
+
+from torchkiln.kernels import cuda_int4
+from torchkiln.quantization import gemv
+from torchkiln.quantization.weight_only import Int4Linear
+
+
+def codes(q4: Int4Linear) -> torch.Tensor:
+    n, k = q4.packed.shape[0], 2 * q4.packed.shape[1]
+    grp = q4.packed.view(n, k // q4.group, q4.group // 2)
+    return torch.cat((grp & 0xF, grp >> 4), dim=-1).view(n, k)
+
+
+def dequant(q4: Int4Linear) -> torch.Tensor:
+    n, k = q4.packed.shape[0], 2 * q4.packed.shape[1]
+    q = codes(q4).float().view(n, k // q4.group, q4.group)
+    return (q * q4.scale.float()[..., None] + q4.zero.float()[..., None]).view(n, k)
+
+
+def check_forms(dev) -> None:
+    """Groups and row counts the shape sweep does not cover, against the float32 dequantized product."""
+    for group in cuda_int4.GROUPS:
+        for n, k in ((144, 512), (4096, 14336), (16, 256)):
+            lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+            q4 = Int4Linear(lin, group)
+            packed = cuda_int4.pack(codes(q4))
+            for rows in (1, 3, 8):
+                x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+                want = x.float() @ dequant(q4).T
+                for cfg in range(-1, cuda_int4.CONFIGS):
+                    got = cuda_int4.mm(x, packed, q4.scale, q4.zero, group, cfg).float()
+                    err = float((got - want).norm() / want.norm())
+                    flag = "" if err < 4e-3 else "  <-- FAIL"
+                    if flag or cfg == -1:
+                        print(f"  check group {group} {n}x{k} rows {rows} config {cfg}: rel err {err:.2e}{flag}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--configs", default=",".join(str(c) for c in range(cuda_int4.CONFIGS)))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    why = cuda_int4.load()
+    if why:
+        print("cuda_int4 not available:", why)
+        return 1
+    check_forms(dev)
+    configs = [int(c) for c in args.configs.split(",")]
+    print("| shape | peer | us/call | x bf16 | x tinygemm | weight GB/s |")
+    print("|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        q4 = Int4Linear(lin, 128)
+        count = max(2, -(-(256 << 20) // (n * k)))
+        p4 = [q4.packed.clone() for _ in range(count)]
+        mma = [cuda_int4.pack(codes(q4)) for _ in range(count)]
+        tg = [Int4Linear(lin, 128, tinygemm=True) for _ in range(count)]
+        b4 = n * k // 2 + 4 * n * (k // 128)
+        peers = {
+            "bf16 F.linear": (F.linear, [(x, lin.weight.detach().clone()) for _ in range(count)], 2 * n * k),
+            "int4 tinygemm": (lambda x, m: m(x), [(x, m) for m in tg], b4),
+            "int4 Triton words (served for Int4Linear's layout)":
+                (lambda x, p, s, z: gemv.int4_linear(x, p, s, z, 128), [(x, p, q4.scale, q4.zero) for p in p4], b4),
+        }
+        for c in configs:
+            peers[f"int4 CUDA config {c}"] = (
+                lambda x, p, s, z, c=c: cuda_int4.mm(x, p, s, z, 128, c), [(x, p, q4.scale, q4.zero) for p in mma], b4)
+        w4f = dequant(q4)
+        graphs = {}
+        for p, (fn, a, _) in peers.items():
+            got = fn(*a[0]).float()
+            want = x.float() @ (lin.weight.detach().float() if p.startswith("bf16") else w4f).T
+            err = float((got - want).norm() / want.norm())
+            if err > 1e-2:
+                print(f"  {name} {p}: relative error {err:.4f} against its reference; left out")
+                continue
+            graphs[p] = graph_of(fn, a)
+        times = {p: [] for p in graphs}
+        for _ in range(args.rounds):
+            for p, g in graphs.items():
+                times[p].append(time_graph(g) / count)
+        base = statistics.median(times["bf16 F.linear"])
+        tiny = statistics.median(times["int4 tinygemm"])
+        for p, t in times.items():
+            s = statistics.median(t)
+            print(f"| {name} {n}x{k} | {p} | {s * 1e6:.1f} | {base / s:.2f} | {tiny / s:.2f} | "
+                  f"{peers[p][2] / s / 1e9:.0f} |", flush=True)
+        del peers, graphs, p4, tg, mma
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

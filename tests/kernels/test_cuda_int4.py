@@ -1,0 +1,156 @@
+"""torchkiln::cuda_int4_mm (kernels/cuda_int4.cu): its tile layout checked against the tensor cores'
+A-operand fragment order on the CPU, its errors, the nvcc command line, and (on a GPU) its products
+against the weights dequantized in float32, directly, through Int4Linear and inside torch.compile."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from torchkiln.kernels import build, cuda_int4
+from torchkiln.quantization.weight_only import Int4Linear
+
+cuda = pytest.mark.cuda
+
+
+def codes(n, k, seed=0):
+    return torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_pack_round_trips():
+    q = codes(48, 320)
+    packed = cuda_int4.pack(q)
+    assert packed.shape == (3, 5, 32, 4) and packed.dtype == torch.int32
+    assert torch.equal(cuda_int4.unpack(packed), q)
+
+
+def test_each_lane_word_holds_its_mma_fragment():
+    """The kernel makes register i of a lane's A operand from nibbles i and i + 4 of its word (shifted
+    by 4i, low nibble of each half). PTX's m16n8k16 A fragment for lane l (g = l // 4, t = l % 4):
+    registers (row g, cols 2t/2t+1), (row g+8, same), (row g, cols 2t+8/2t+9), (row g+8, same)."""
+    q = codes(32, 128, seed=1)
+    packed = cuda_int4.pack(q)
+    for b, c in ((0, 0), (1, 5), (0, 7)):
+        words = packed[b, c // 4, :, c % 4]
+        for lane in range(32):
+            v, g, t = int(words[lane]) & 0xFFFFFFFF, lane // 4, lane % 4
+            got = []
+            for i in range(4):
+                r = v >> (4 * i)
+                got += [r & 0xF, (r >> 16) & 0xF]
+            want = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
+                    (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
+            assert got == [int(q[16 * b + r, 16 * c + col]) for r, col in want], (b, c, lane)
+
+
+def test_bad_operands_name_what_is_wrong():
+    q = cuda_int4.pack(codes(16, 64))
+    s = torch.ones(16, 1, dtype=torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA tensors only"):
+        cuda_int4.mm(x, q, s, s, 64)
+    why = cuda_int4._bad_operands
+
+    def cudaish(t):  # the shape and dtype checks, past the device check (meta tensors, no GPU needed)
+        return types.SimpleNamespace(is_cuda=True, dtype=t.dtype, shape=t.shape, dim=t.dim, numel=t.numel,
+                                     is_contiguous=t.is_contiguous)
+
+    meta = dict(device="meta")
+    xm, qm, sm = x.to(**meta), q.to(**meta), s.to(**meta)
+    assert why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 64, -1) is None
+    assert "x must be bfloat16" in why(cudaish(xm.float()), cudaish(qm), cudaish(sm), cudaish(sm), 64, -1)
+    assert "1-8 contiguous rows of 64" in why(cudaish(torch.empty(9, 64, dtype=torch.bfloat16, **meta)),
+                                              cudaish(qm), cudaish(sm), cudaish(sm), 64, -1)
+    assert "group must be one of (64, 128, 256)" in why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 32, -1)
+    assert "scale must be contiguous bfloat16 [16, 1]" in why(cudaish(xm), cudaish(qm), cudaish(sm.float()),
+                                                              cudaish(sm), 64, -1)
+    assert "config must be -1" in why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 64, 99)
+
+
+def test_nvcc_command_line_passes_host_options_through_xcompiler(tmp_path):
+    line = build.command("/usr/local/cuda/bin/nvcc", tmp_path / "k.cu", tmp_path / "k.so", ["-DX"], ["-lc10"])
+    assert line[line.index("-fPIC") - 1] == "-Xcompiler"
+    assert not any(a.startswith("-Wl,") for a in line) and "-rpath" in line
+    cxx = build.command("/usr/bin/c++", tmp_path / "k.cpp", tmp_path / "k.so", [], [])
+    assert "-fPIC" in cxx and "-Xcompiler" not in cxx
+
+
+def test_no_nvcc_is_a_reason(monkeypatch):
+    if not torch.cuda.is_available():
+        assert "CUDA" in cuda_int4._why_not_here(torch.device("cpu"))
+    monkeypatch.setenv("CUDA_HOME", "/no/such/cuda")
+    monkeypatch.setenv("PATH", "/no/such/bin")
+    monkeypatch.setattr(build.os, "access", lambda *a: False)
+    assert build.nvcc() is None
+
+
+def reference(x, q4):
+    n, k = q4.out_features, q4.in_features
+    q = cuda_int4.unpack(q4.packed).float().view(n, k // q4.group, q4.group)
+    w = (q * q4.scale.float()[..., None] + q4.zero.float()[..., None]).view(n, k)
+    return x.float() @ w.T
+
+
+@pytest.fixture(scope="module")
+def built():
+    why = cuda_int4.load()
+    assert why is None, why  # on the GPU machine nvcc is present: it must build
+
+
+@cuda
+@pytest.mark.parametrize("group", cuda_int4.GROUPS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 20, 70])
+def test_products_match_the_dequantized_weight(built, group, rows):
+    """Within bf16's output rounding (2^-8 relative, per output) of the float32 product of the same
+    codes; 20 rows run as three launches, 70 rows dequantize for cuBLAS."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 272, bias=True, device="cuda", dtype=torch.bfloat16)
+    q4 = Int4Linear(lin, group, mma=True)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    want = reference(x, q4) + lin.bias.float()
+    got = q4(x).float()
+    assert got.shape == (rows, 272)
+    assert ((got - want).abs() <= 2 ** -7 * want.abs() + 2e-2).all(), float((got - want).abs().max())
+    # and the codes are the layer's own: within int4's rounding of the float weight
+    err = (got - (x.float() @ lin.weight.float().T + lin.bias.float())).norm() / want.norm()
+    assert err < 0.1
+
+
+@cuda
+@pytest.mark.parametrize("config", range(cuda_int4.CONFIGS))
+def test_every_launch_shape_gives_the_same_product(built, config):
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(1024, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    q4 = Int4Linear(lin, 128, mma=True)
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    got = cuda_int4.mm(x, q4.packed, q4.scale, q4.zero, 128, config).float()
+    want = reference(x, q4)
+    assert float((got - want).norm() / want.norm()) < 4e-3
+
+
+@cuda
+def test_inside_torch_compile_and_a_cuda_graph(built):
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(256, 64, bias=False, device="cuda", dtype=torch.bfloat16)
+    q4 = Int4Linear(lin, 64, mma=True)
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    eager = q4(x)
+    compiled = torch.compile(q4, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        got = compiled(x)
+    assert torch.equal(got, eager)
+
+
+@cuda
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(built):
+    """Every launch uses the layer's launch shape, so a row's sums run in the same order at 1, 8 or 20
+    rows (a batched decode then matches the same rows decoded alone)."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    q4 = Int4Linear(lin, 128, mma=True)
+    x = torch.randn(20, 4096, device="cuda", dtype=torch.bfloat16)
+    batch = q4(x)
+    for i in (0, 3, 11, 19):
+        assert torch.equal(q4(x[i:i + 1]), batch[i:i + 1])

@@ -1,0 +1,201 @@
+"""``torchkiln::cuda_int4_mm``: products of 1-8 rows with int4 weights on CUDA (bf16), on the
+tensor cores, in a tile layout of its own (``pack``), an op written in CUDA C++ (cuda_int4.cu says
+why) and built here on first use.
+
+The build needs CUDA's compiler (nvcc: ``$CUDA_HOME/bin/nvcc``, on PATH, or /usr/local/cuda's) and
+torch's headers; it takes 20-60 s, once per machine, torch version and GPU architecture (the library
+is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a compile error), ``load()``
+says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import torch
+
+from . import build
+
+SOURCE = Path(__file__).with_name("cuda_int4.cu")
+GROUPS = (64, 128, 256)
+MAX_ROWS = 8  # rows of x per call: the MMA's 8 columns
+CONFIGS = 8  # launch shapes the op offers (cuda_int4.cu CONFIGS); -1 picks by the weight's shape
+_lock = threading.Lock()
+
+
+def _why_not_here(device: torch.device) -> str | None:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "needs a CUDA build of torch and a CUDA device"
+    if build.nvcc() is None:
+        return "no CUDA compiler found (nvcc; set CUDA_HOME to the CUDA toolkit)"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability 8.0 or later (bf16 tensor cores)"
+    return None
+
+
+def _flags(device: torch.device) -> list[str]:
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"{major}{minor}"
+    # torch's own extension builds define these: c10's Half/BFloat16 and CUDA's operators would clash
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-D__CUDA_NO_HALF_OPERATORS__",
+            "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+
+
+def load(device: torch.device | None = None) -> str | None:
+    """Register ``torch.ops.torchkiln.cuda_int4_mm`` for ``device``'s architecture (default: the
+    current CUDA device), building it if needed. None when it is ready; otherwise why not, in words."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "needs a CUDA build of torch and a CUDA device"
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    return _load(torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index))
+
+
+@functools.cache
+def _load(device: torch.device) -> str | None:
+    why = _why_not_here(device)
+    if why:
+        return why
+    with _lock:
+        try:
+            torch.ops.load_library(str(build.build(SOURCE, _flags(device), ["-lc10", "-lc10_cuda", "-ltorch_cpu",
+                                                                             "-ltorch_cuda"])))
+        except (OSError, RuntimeError) as e:
+            return f"build failed: {e}"
+        if not _FAKE:  # once per process: a second registration raises (two devices, one library)
+            torch.library.register_fake("torchkiln::cuda_int4_mm")(_fake)
+            _FAKE.append(True)
+    return None
+
+
+_FAKE: list = []
+
+
+def _fake(x, packed, scale, zero, group, config=-1):
+    return x.new_empty(*x.shape[:-1], 16 * packed.shape[0])
+
+
+# Which nibble of a tile's word each lane's values take: the mma.sync m16n8k16 A operand gives
+# lane l (g = l // 4, t = l % 4) rows g and g + 8 at columns 2t, 2t + 1, 2t + 8, 2t + 9; the kernel
+# turns nibbles i and i + 4 of its word into one register's bf16 pair (cuda_int4.cu ``pair``), so
+# nibble i = 0..3 holds the pair's first column and i + 4 its second. Registers in order: (row g,
+# cols 2t..), (row g + 8, cols 2t..), (row g, cols 2t + 8..), (row g + 8, cols 2t + 8..).
+def _nibble_rows_cols() -> tuple[torch.Tensor, torch.Tensor]:
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    rows, cols = torch.empty(32, 8, dtype=torch.long), torch.empty(32, 8, dtype=torch.long)
+    for i, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+        rows[:, i] = rows[:, i + 4] = g + dr
+        cols[:, i], cols[:, i + 4] = 2 * t + dc, 2 * t + dc + 1
+    return rows, cols
+
+
+_ORDER: dict = {}  # device -> _nibble_rows_cols() there (made outside any CUDA-graph capture, by pack)
+
+
+def _order(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device not in _ORDER:
+        _ORDER[device] = tuple(i.to(device) for i in _nibble_rows_cols())
+    return _ORDER[device]
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes ``q`` (integers 0-15, [N, K], N % 16 == 0, K % 64 == 0) in the kernel's layout:
+    int32 [N/16, K/64, 32, 4], the word of lane l for the 16 x 16 tile (row block b, column block c)
+    at [b, c // 4, l, c % 4]."""
+    n, k = q.shape
+    rows, cols = _order(q.device)
+    tiles = q.to(torch.int32).view(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # [b, c, 16, 16]
+    nib = tiles[:, :, rows, cols]  # [b, c, 32 lanes, 8 nibbles]
+    word = (nib << (4 * torch.arange(8, device=q.device))).sum(-1, dtype=torch.int64)
+    word = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+    return word.view(n // 16, k // 64, 4, 32).transpose(2, 3).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``pack``'s inverse: the codes [N, K] (uint8)."""
+    b, c4 = packed.shape[:2]
+    rows, cols = _order(packed.device)  # cached by pack(): a copy to the GPU would break a graph capture
+    word = packed.transpose(2, 3).reshape(b, 4 * c4, 32).to(torch.int64) & 0xFFFFFFFF
+    nib = (word[..., None] >> (4 * torch.arange(8, device=packed.device))) & 0xF  # [b, c, 32, 8]
+    tiles = torch.empty(b, 4 * c4, 16, 16, dtype=torch.uint8, device=packed.device)
+    tiles[:, :, rows, cols] = nib.to(torch.uint8)
+    return tiles.permute(0, 2, 1, 3).reshape(16 * b, 64 * c4)
+
+
+def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    """Can the op hold a layer of this shape, group and dtype?"""
+    return dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0 and group in GROUPS and k % group == 0
+
+
+def usable(x: torch.Tensor, k: int) -> bool:
+    """Does a call with input ``x`` (..., k) take the op (shapes only, so it traces)?"""
+    return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // k <= MAX_ROWS
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+       config: int = -1) -> torch.Tensor:
+    """``x @ w.T`` for 1-8 rows of x (``load()`` first), w = q * scale + zero per group of ``group``
+    inputs, q in ``pack``'s layout. Bad operands raise ValueError here, naming what is wrong."""
+    why = _bad_operands(x, packed, scale, zero, group, config)
+    if why:
+        raise ValueError(f"torchkiln::cuda_int4_mm: {why}")
+    return torch.ops.torchkiln.cuda_int4_mm(x, packed, scale, zero, group, config)
+
+
+def _bad_operands(x, packed, scale, zero, group, config) -> str | None:
+    if not (x.is_cuda and packed.is_cuda and scale.is_cuda and zero.is_cuda):
+        return f"CUDA tensors only (x on {x.device}, packed on {packed.device})"
+    if x.dtype != torch.bfloat16:
+        return f"x must be bfloat16, got {x.dtype}"
+    if packed.dtype != torch.int32 or packed.dim() != 4 or tuple(packed.shape[2:]) != (32, 4) \
+            or not packed.is_contiguous():
+        return f"packed must be pack()'s contiguous int32 [N/16, K/64, 32, 4], got {packed.dtype} {tuple(packed.shape)}"
+    n, k = 16 * packed.shape[0], 64 * packed.shape[1]
+    if x.shape[-1] != k or not 1 <= x.numel() // k <= MAX_ROWS or not x.is_contiguous():
+        return f"x must be 1-{MAX_ROWS} contiguous rows of {k} values, got sizes {tuple(x.shape)}"
+    if group not in GROUPS or k % group:
+        return f"group must be one of {GROUPS} dividing K = {k}, got {group}"
+    for name, t in (("scale", scale), ("zero", zero)):
+        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() != n * (k // group):
+            return f"{name} must be contiguous bfloat16 [{n}, {k // group}], got {t.dtype} sizes {tuple(t.shape)}"
+    if not -1 <= config < CONFIGS:
+        return f"config must be -1 (by shape) or 0-{CONFIGS - 1}, got {config}"
+    return None
+
+
+_TUNED: dict = {}  # (N, K, group, device) -> the fastest config
+
+
+def tune(n: int, k: int, group: int, device: torch.device) -> int:
+    """The fastest launch shape for one-row calls on an N x K weight (timed once per shape and
+    device, on zero weights: the time depends on the shape only). Copies of the weight totalling
+    >= 128 MB are cycled so that it is not read from L2. Not inside a CUDA-graph capture."""
+    key = (n, k, group, device)
+    if key not in _TUNED:
+        copies = max(2, -(-(128 << 20) // (n * k // 2)))
+        packed = [torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32, device=device) for _ in range(copies)]
+        scale = torch.ones(n, k // group, dtype=torch.bfloat16, device=device)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
+        times = {}
+        for config in range(CONFIGS):  # each inside a CUDA graph: eager calls would time the launches
+            for p in packed:  # warm-up
+                torch.ops.torchkiln.cuda_int4_mm(x, p, scale, scale, group, config)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for p in packed:
+                    torch.ops.torchkiln.cuda_int4_mm(x, p, scale, scale, group, config)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[config] = start.elapsed_time(end)
+            del graph
+        _TUNED[key] = min(times, key=times.get)
+        del packed
+    return _TUNED[key]
