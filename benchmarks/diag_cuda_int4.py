@@ -13,11 +13,10 @@ at 3 and 8 rows.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
-from llm_gemv import SHAPES, graph_of, time_graph
+from llm_gemv import SHAPES, graph_of, interleaved
 
 from torchkiln.kernels import cuda_int4
 from torchkiln.quantization import gemv
@@ -96,14 +95,10 @@ def main() -> int:
                 print(f"  {name} {p}: relative error {err:.4f} against its reference; left out")
                 continue
             graphs[p] = graph_of(fn, a)
-        times = {p: [] for p in graphs}
-        for _ in range(args.rounds):
-            for p, g in graphs.items():
-                times[p].append(time_graph(g) / count)
-        base = statistics.median(times["bf16 F.linear"])
-        tiny = statistics.median(times["int4 tinygemm"])
-        for p, t in times.items():
-            s = statistics.median(t)
+        times = interleaved(graphs, args.rounds, count)
+        base = times["bf16 F.linear"]
+        tiny = times["int4 tinygemm"]
+        for p, s in times.items():
             print(f"| {name} {n}x{k} | {p} | {s * 1e6:.1f} | {base / s:.2f} | {tiny / s:.2f} | "
                   f"{peers[p][2] / s / 1e9:.0f} |", flush=True)
         del peers, graphs, p4, tg, mma

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 
 import torch
 import torch.nn.functional as F
-from llm_gemv import SHAPES, graph_of, time_graph
+from llm_gemv import SHAPES, graph_of, interleaved
 
 from torchkiln.quantization import gemv
 from torchkiln.quantization.weight_only import Int4Linear
@@ -200,14 +199,10 @@ def main() -> int:
                     print(f"  {name} rows {rows} {p}: relative error {err:.4f} against its reference; skipped")
                     continue
                 graphs[p] = graph_of(fn, a)
-            times = {p: [] for p in graphs}
-            for _ in range(args.rounds):
-                for p, g in graphs.items():
-                    times[p].append(time_graph(g) / count)
-            base = statistics.median(times["bf16 F.linear"])
-            tiny = statistics.median(times["int4 tinygemm"]) if "int4 tinygemm" in times else float("nan")
-            for p, t in times.items():
-                s = statistics.median(t)
+            times = interleaved(graphs, args.rounds, count)
+            base = times["bf16 F.linear"]
+            tiny = times.get("int4 tinygemm", float("nan"))
+            for p, s in times.items():
                 cfg = cfgs[p]
                 print(f"| {name} {n}x{k} | {rows} | {p} | {s * 1e6:.1f} | {base / s:.2f} | {tiny / s:.2f} | "
                       f"{peers[p][2] / s / 1e9:.0f} | {cfg} |", flush=True)

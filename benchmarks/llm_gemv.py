@@ -46,6 +46,16 @@ def time_graph(g, reps=20) -> float:
     return start.elapsed_time(end) / reps / 1e3  # seconds per replay
 
 
+def interleaved(graphs: dict, rounds: int, calls: dict | int) -> dict:
+    """name -> median seconds per call: each graph replayed once per round, the graphs in turn;
+    ``calls``: the calls inside each graph (one count for all, or per name)."""
+    times = {p: [] for p in graphs}
+    for _ in range(rounds):
+        for p, g in graphs.items():
+            times[p].append(time_graph(g) / (calls if isinstance(calls, int) else calls[p]))
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
 def peers(n, k, rows, dev):
     """name -> (fn, list of argument tuples, bytes per call)."""
     lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
@@ -109,13 +119,9 @@ def main() -> int:
                     print(f"  {p}: relative error {err:.3f} against bf16; skipped")
                     continue
                 graphs[p] = graph_of(fn, args)
-            times = {p: [] for p in graphs}
-            for _ in range(a.rounds):
-                for p, g in graphs.items():
-                    times[p].append(time_graph(g) / len(ps[p][1]))
-            base = statistics.median(times["bf16 F.linear"])
-            for p, t in times.items():
-                s = statistics.median(t)
+            times = interleaved(graphs, a.rounds, {p: len(ps[p][1]) for p in graphs})
+            base = times["bf16 F.linear"]
+            for p, s in times.items():
                 gbs = ps[p][2] / s / 1e9
                 print(f"| {name} {n}x{k} | {rows} | {p} | {s * 1e6:.1f} | {base / s:.2f} | {gbs:.0f} | "
                       f"{gbs / copy_gbs:.0%} |")

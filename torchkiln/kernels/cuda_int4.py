@@ -25,9 +25,7 @@ CONFIGS = 8  # launch shapes the op offers (cuda_int4.cu CONFIGS); -1 picks by t
 _lock = threading.Lock()
 
 
-def _why_not_here(device: torch.device) -> str | None:
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return "needs a CUDA build of torch and a CUDA device"
+def _why_not_here(device: torch.device) -> str | None:  # a CUDA device (load() checked)
     if build.nvcc() is None:
         return "no CUDA compiler found (nvcc; set CUDA_HOME to the CUDA toolkit)"
     if torch.cuda.get_device_capability(device) < (8, 0):
@@ -63,13 +61,13 @@ def _load(device: torch.device) -> str | None:
                                                                              "-ltorch_cuda"])))
         except (OSError, RuntimeError) as e:
             return f"build failed: {e}"
-        if not _FAKE:  # once per process: a second registration raises (two devices, one library)
-            torch.library.register_fake("torchkiln::cuda_int4_mm")(_fake)
-            _FAKE.append(True)
+        _register_fake()
     return None
 
 
-_FAKE: list = []
+@functools.cache  # once per process: a second registration raises (two devices load one library)
+def _register_fake() -> None:
+    torch.library.register_fake("torchkiln::cuda_int4_mm")(_fake)
 
 
 def _fake(x, packed, scale, zero, group, config=-1):
@@ -127,11 +125,6 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     """Can the op hold a layer of this shape, group and dtype?"""
     return dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0 and group in GROUPS and k % group == 0
-
-
-def usable(x: torch.Tensor, k: int) -> bool:
-    """Does a call with input ``x`` (..., k) take the op (shapes only, so it traces)?"""
-    return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // k <= MAX_ROWS
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,

@@ -131,8 +131,8 @@ class Int4Linear(nn.Module):
     """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
 
     Three layouts. ``mma=True`` (CUDA in bf16, where nvcc builds torchkiln's kernel; the LLM path's
-    on request, llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout, calls of up to MMA_ROWS rows through that
-    kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
+    on request, llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout, calls of up to MMA_ROWS
+    rows through that kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
     kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
     value of q = 8 (``zero + 8 * scale`` here), for every call on the CPU and CUDA calls of up to
     TINYGEMM_ROWS rows; wider CUDA calls dequantize the tiles for cuBLAS (gemv.tinygemm_dense).
@@ -212,9 +212,7 @@ class Int4Linear(nn.Module):
         else:
             n, k = self.packed.shape[0], 2 * self.packed.shape[1]
             p = self.packed.view(n, k // self.group, self.group // 2)
-            q = torch.stack((p & 0xF, p >> 4), dim=2).view(n, -1, self.group)
-            w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
-            out = F.linear(x, w)
+            out = F.linear(x, self._dense(torch.stack((p & 0xF, p >> 4), dim=2), x.dtype))
         return out + self.bias if self.bias is not None else out
 
     def _mma(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,10 +228,15 @@ class Int4Linear(nn.Module):
                      for i in range(0, rows.shape[0], cuda_int4.MAX_ROWS)]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
-            q = cuda_int4.unpack(self.packed).view(n, k // self.group, self.group)
-            w = (q.to(x.dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
-            out = F.linear(rows, w)
+            out = F.linear(rows, self._dense(cuda_int4.unpack(self.packed), x.dtype))
         return out.view(*x.shape[:-1], n)
+
+    def _dense(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [N, K] from the codes (any shape holding each row's K values in column
+        order), ``q * scale + zero`` per group."""
+        n, k = self.out_features, self.in_features
+        q = q.reshape(n, k // self.group, self.group)
+        return (q.to(dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
 
 
 def apply(model: nn.Module, config: QuantConfig, device: torch.device, codes: dict | None = None) -> None:
