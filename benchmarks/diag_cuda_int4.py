@@ -42,11 +42,12 @@ def check_forms(dev) -> None:
             lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
             q4 = Int4Linear(lin, group)
             packed = cuda_int4.pack(codes(q4))
+            sz = cuda_int4.pack_scales(q4.scale, q4.zero)
             for rows in (1, 3, 8):
                 x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
                 want = x.float() @ dequant(q4).T
                 for cfg in range(-1, cuda_int4.CONFIGS):
-                    got = cuda_int4.mm(x, packed, q4.scale, q4.zero, group, cfg).float()
+                    got = cuda_int4.mm(x, packed, sz, group, cfg).float()
                     err = float((got - want).norm() / want.norm())
                     flag = "" if err < 4e-3 else "  <-- FAIL"
                     if flag or cfg == -1:
@@ -74,6 +75,7 @@ def main() -> int:
         count = max(2, -(-(256 << 20) // (n * k)))
         p4 = [q4.packed.clone() for _ in range(count)]
         mma = [cuda_int4.pack(codes(q4)) for _ in range(count)]
+        sz4 = cuda_int4.pack_scales(q4.scale, q4.zero)
         tg = [Int4Linear(lin, 128, tinygemm=True) for _ in range(count)]
         b4 = n * k // 2 + 4 * n * (k // 128)
         peers = {
@@ -84,7 +86,7 @@ def main() -> int:
         }
         for c in configs:
             peers[f"int4 CUDA config {c}"] = (
-                lambda x, p, s, z, c=c: cuda_int4.mm(x, p, s, z, 128, c), [(x, p, q4.scale, q4.zero) for p in mma], b4)
+                lambda x, p, sz, c=c: cuda_int4.mm(x, p, sz, 128, c), [(x, p, sz4.clone()) for p in mma], b4)
         w4f = dequant(q4)
         graphs = {}
         for p, (fn, a, _) in peers.items():

@@ -29,28 +29,48 @@ def test_pack_round_trips():
 def test_each_lane_word_holds_its_mma_fragment():
     """The kernel makes register i of a lane's A operand from nibbles i and i + 4 of its word (shifted
     by 4i, low nibble of each half). PTX's m16n8k16 A fragment for lane l (g = l // 4, t = l % 4):
-    registers (row g, cols 2t/2t+1), (row g+8, same), (row g, cols 2t+8/2t+9), (row g+8, same)."""
+    registers (row g, cols 2t/2t+1), (row g+8, same), (row g, cols 2t+8/2t+9), (row g+8, same). The
+    B operand of tile j of a 64-column block is x's values 16t + 4j .. 16t + 4j + 3 (the kernel's two
+    16-byte loads a lane): MMA column 2t + e takes x column 16t + 4j + e, 2t + 8 + e takes 16t + 4j + 2 + e."""
     q = codes(32, 128, seed=1)
     packed = cuda_int4.pack(q)
-    for b, c in ((0, 0), (1, 5), (0, 7)):
+    for b, c in ((0, 0), (1, 5), (0, 7), (1, 2)):
         words = packed[b, c // 4, :, c % 4]
+        j, base = c % 4, 64 * (c // 4)
         for lane in range(32):
             v, g, t = int(words[lane]) & 0xFFFFFFFF, lane // 4, lane % 4
             got = []
             for i in range(4):
                 r = v >> (4 * i)
                 got += [r & 0xF, (r >> 16) & 0xF]
-            want = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1),
-                    (g, 2 * t + 8), (g, 2 * t + 9), (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]
-            assert got == [int(q[16 * b + r, 16 * c + col]) for r, col in want], (b, c, lane)
+            x0 = base + 16 * t + 4 * j  # x columns this lane's b0 (x0, x0 + 1) and b1 (x0 + 2, x0 + 3) hold
+            want = [(g, x0), (g, x0 + 1), (g + 8, x0), (g + 8, x0 + 1),
+                    (g, x0 + 2), (g, x0 + 3), (g + 8, x0 + 2), (g + 8, x0 + 3)]
+            assert got == [int(q[16 * b + r, col]) for r, col in want], (b, c, lane)
+
+
+def test_scale_zero_pairs_sit_per_row_block_and_group():
+    """pack_scales: row r's (scale, zero) for group i at [r // 16, i, r % 16], the scale's bf16 bits
+    in the low half (the kernel's one 64-byte copy per row block and group); unpack_scales inverts it."""
+    scale = torch.rand(48, 5).to(torch.bfloat16)
+    zero = -torch.rand(48, 5).to(torch.bfloat16)  # negative: the sign bit sits in the word's bit 31
+    sz = cuda_int4.pack_scales(scale, zero)
+    assert sz.shape == (3, 5, 16) and sz.dtype == torch.int32
+    for r, i in ((0, 0), (17, 3), (47, 4)):
+        word = int(sz[r // 16, i, r % 16]) & 0xFFFFFFFF
+        assert word & 0xFFFF == int(scale[r, i].view(torch.int16)) & 0xFFFF
+        assert word >> 16 == int(zero[r, i].view(torch.int16)) & 0xFFFF
+    got_scale, got_zero = cuda_int4.unpack_scales(sz)
+    assert torch.equal(got_scale, scale) and torch.equal(got_zero, zero)
 
 
 def test_bad_operands_name_what_is_wrong():
     q = cuda_int4.pack(codes(16, 64))
     s = torch.ones(16, 1, dtype=torch.bfloat16)
+    sz = cuda_int4.pack_scales(s, s)
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA tensors only"):
-        cuda_int4.mm(x, q, s, s, 64)
+        cuda_int4.mm(x, q, sz, 64)
     why = cuda_int4._bad_operands
 
     def cudaish(t):  # the shape and dtype checks, past the device check (meta tensors, no GPU needed)
@@ -58,15 +78,15 @@ def test_bad_operands_name_what_is_wrong():
                                      is_contiguous=t.is_contiguous)
 
     meta = dict(device="meta")
-    xm, qm, sm = x.to(**meta), q.to(**meta), s.to(**meta)
-    assert why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 64, -1) is None
-    assert "x must be bfloat16" in why(cudaish(xm.float()), cudaish(qm), cudaish(sm), cudaish(sm), 64, -1)
+    xm, qm, szm = x.to(**meta), q.to(**meta), sz.to(**meta)
+    assert why(cudaish(xm), cudaish(qm), cudaish(szm), 64, -1) is None
+    assert "x must be bfloat16" in why(cudaish(xm.float()), cudaish(qm), cudaish(szm), 64, -1)
     assert "1-8 contiguous rows of 64" in why(cudaish(torch.empty(9, 64, dtype=torch.bfloat16, **meta)),
-                                              cudaish(qm), cudaish(sm), cudaish(sm), 64, -1)
-    assert "group must be one of (64, 128, 256)" in why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 32, -1)
-    assert "scale must be contiguous bfloat16 [16, 1]" in why(cudaish(xm), cudaish(qm), cudaish(sm.float()),
-                                                              cudaish(sm), 64, -1)
-    assert "config must be -1" in why(cudaish(xm), cudaish(qm), cudaish(sm), cudaish(sm), 64, 99)
+                                              cudaish(qm), cudaish(szm), 64, -1)
+    assert "group must be one of (64, 128, 256)" in why(cudaish(xm), cudaish(qm), cudaish(szm), 32, -1)
+    assert "scale_zero must be pack_scales()' contiguous int32 [1, 1, 16]" in why(
+        cudaish(xm), cudaish(qm), cudaish(s.to(**meta)), 64, -1)
+    assert "config must be -1" in why(cudaish(xm), cudaish(qm), cudaish(szm), 64, 99)
 
 
 def test_nvcc_command_line_passes_host_options_through_xcompiler(tmp_path):
@@ -89,7 +109,8 @@ def test_no_nvcc_is_a_reason(monkeypatch):
 def reference(x, q4):
     n, k = q4.out_features, q4.in_features
     q = cuda_int4.unpack(q4.packed).float().view(n, k // q4.group, q4.group)
-    w = (q * q4.scale.float()[..., None] + q4.zero.float()[..., None]).view(n, k)
+    scale, zero = (t.float() for t in cuda_int4.unpack_scales(q4.scale_zero))
+    w = (q * scale[..., None] + zero[..., None]).view(n, k)
     return x.float() @ w.T
 
 
@@ -125,7 +146,7 @@ def test_every_launch_shape_gives_the_same_product(built, config):
     lin = torch.nn.Linear(1024, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
     q4 = Int4Linear(lin, 128, mma=True)
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    got = cuda_int4.mm(x, q4.packed, q4.scale, q4.zero, 128, config).float()
+    got = cuda_int4.mm(x, q4.packed, q4.scale_zero, 128, config).float()
     want = reference(x, q4)
     assert float((got - want).norm() / want.norm()) < 4e-3
 

@@ -1,14 +1,15 @@
-// torchkiln::cuda_int4_mm(x, packed, scale, zero, group, config=-1): up to 8 rows of x (bf16, [M, K])
+// torchkiln::cuda_int4_mm(x, packed, scale_zero, group, config=-1): up to 8 rows of x (bf16, [M, K])
 // times int4 weights in this kernel's tile layout (cuda_int4.py `pack`): int32 [N/16, K/64, 32, 4],
 // one word per lane of a warp per 16 x 16 tile of the weight, in the order the tensor cores' A
-// operand wants it; scale and zero [N, K/G] in bf16, w = q * scale + zero per group of G inputs.
-// Out: [M, N] bf16, accumulated in float32.
+// operand wants it; scale_zero (`pack_scales`) int32 [N/16, K/G, 16], per 16 rows and group the
+// rows' bf16 (scale, zero) pairs, w = q * scale + zero per group of G inputs. Out: [M, N] bf16,
+// accumulated in float32.
 //
 // Why hand-written (built by cuda_int4.py on first use, where nvcc is present): a batch-1 int4
 // product only has to stream half a byte per weight, but torch's own kernel (tinygemm,
 // aten._weight_int4pack_mm) read Llama-3-8B's weights at ~1.85 TB/s on the H200, under half its
 // copy bandwidth, and torchkiln's Triton kernels (quantization/gemv.py) were 1.3-1.5x slower still.
-// What bounds these kernels is the integer work of turning nibbles into numbers, not the loads: a
+// The integer work of turning nibbles into numbers bounds such kernels as much as the loads: a
 // first form here (one float per nibble, FMAs on the CUDA cores, ~2.9 instructions per value) read
 // at 1.7-2.1 TB/s, and the same loads with the arithmetic left out at 3.5-4.4 (RESULTS.md, fortieth
 // session). So this one leaves the multiply-adds to the tensor cores (mma.sync m16n8k16, x as the
@@ -19,9 +20,17 @@
 // where X, the group's sum of x, comes from a second MMA with an A operand of ones (the tensor cores
 // are otherwise idle here), exact in float32.
 //
-// Work split: a block owns RB blocks of 16 output rows; its W warps split K by groups, each keeping
-// one group's weights in flight while it converts the previous one, and sum their partial outputs
-// through shared memory at the end.
+// Work split: a block owns RB blocks of 16 output rows; its W warps split K by groups and sum their
+// partial outputs through shared memory at the end. Each warp streams its groups' weights and
+// scales through a ring of ST slots in shared memory with cp.async, ST - 1 groups in flight while
+// it converts one: the loads then hold no registers. (ncu, forty-first session, on a form that
+// double-buffered one group in registers: the top stall was waiting on global loads, 4.6 of 13
+// cycles per instruction, at 59 registers and 50% occupancy, DRAM at 51%.) Nothing in the loop
+// branches by lane: MMA columns past the M rows of x read row M - 1 again (columns are independent
+// and those outputs are never stored), and row blocks past N re-read the last.
+//
+// pack() orders each 64 columns so that lane t's B operands for the block's 4 tiles are x's 16
+// consecutive values at 16t: two 16-byte loads a lane where the MMA's own order takes eight 4-byte ones.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,6 +39,7 @@
 #include <cuda_bf16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace {
@@ -42,91 +52,122 @@ __device__ __forceinline__ void mma(const uint32_t (&a)[4], uint32_t b0, uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// the nibbles at bits 0-3 and 16-19 of v as a bf16 pair (128 + q each)
-__device__ __forceinline__ uint32_t pair(uint32_t v) { return (v & 0x000F000Fu) | 0x43004300u; }
+// the nibbles at bits 0-3 and 16-19 of v as a bf16 pair (128 + q each), in one LOP3: written as
+// C++ the AND and the OR took one each, a LOP3 having room for one immediate (SASS of the first form)
+__device__ __forceinline__ uint32_t pair(uint32_t v) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(v), "n"(0x000F000F), "n"(0x43004300));  // (a & b) | c
+  return r;
+}
 
-__device__ __forceinline__ float bf(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
 
-// TG: 16-wide tiles per group (4, 8 or 16); RB: 16-row blocks per block; S: groups per step (the
-// loads of the next step are in flight while a step converts: RB * S * TG * 4 bytes a lane)
-template <int TG, int RB, int S>
-__global__ void __launch_bounds__(256) int4_mm(const uint16_t* __restrict__ x, int M,
-                                               const uint4* __restrict__ packed, const uint16_t* __restrict__ scale,
-                                               const uint16_t* __restrict__ zero, uint16_t* __restrict__ out, int N,
-                                               int K) {
-  constexpr int Q = TG / 4;  // uint4s (4 tiles each) per lane per group per row block
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// TG: 16-wide tiles per group (4, 8 or 16); RB: 16-row blocks per block; ST: ring slots per warp.
+// A slot holds one group: RB * Q uint4 of weights per lane ([b][q][lane]), then RB * 16 scale-zero words.
+template <int TG, int RB>
+__host__ __device__ constexpr int slot_words() {  // uint4s
+  return RB * (TG / 4) * 32 + RB * 4;
+}
+
+template <int TG, int RB, int ST>
+__global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, int M,
+                                               const uint4* __restrict__ packed, const uint4* __restrict__ sz,
+                                               uint16_t* __restrict__ out, int N, int K) {
+  constexpr int Q = TG / 4;  // 64-column blocks per group: a uint4 of weights per lane per row block, two of x
+  constexpr int SLOT = slot_words<TG, RB>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int groups = K / (16 * TG), per_warp = (groups + warps - 1) / warps;
   const int first = warp * per_warp, last = min(groups, first + per_warp);
-  const int rb0 = blockIdx.x * RB, quads = K / 64;  // uint4s per lane per row block
-  const uint16_t* xrow = x + static_cast<int64_t>(g) * K + 2 * t;  // this lane's B column (x row g)
-  const bool has_col = g < M;
+  const int quads = K / 64, blocks16 = N / 16;
+  const uint4* xq = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(g, M - 1)) * K) + 2 * t;
+  const uint4* wq[RB];
+#pragma unroll
+  for (int b = 0; b < RB; ++b)
+    wq[b] = packed + static_cast<int64_t>(min(static_cast<int>(blockIdx.x) * RB + b, blocks16 - 1)) * quads * 32 + lane;
+  // lanes 4b .. 4b + 3 copy row block b's 16 scale-zero words of a group (4 uint4)
+  const int sz_rb = min(static_cast<int>(blockIdx.x) * RB + min(lane >> 2, RB - 1), blocks16 - 1);
+  const uint4* szq = sz + static_cast<int64_t>(sz_rb) * groups * 4 + (lane & 3);
   constexpr uint32_t ONES = 0x3F803F80u;  // bf16 pair (1, 1)
   const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
+
+  extern __shared__ uint4 smem[];
+  uint4* ring = smem + warp * ST * SLOT;
+  auto issue = [&](int grp, int slot) {
+    uint4* dst = ring + slot * SLOT;
+#pragma unroll
+    for (int b = 0; b < RB; ++b)
+#pragma unroll
+      for (int q = 0; q < Q; ++q) cp_async16(dst + (b * Q + q) * 32 + lane, wq[b] + (grp * Q + q) * 32);
+    if (lane < 4 * RB) cp_async16(dst + RB * Q * 32 + lane, szq + grp * 4);
+  };
 
   float acc[RB][4];
 #pragma unroll
   for (int b = 0; b < RB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
-  uint4 cur[RB][S * Q], nxt[RB][S * Q];
-  auto load = [&](uint4 (&w)[RB][S * Q], int grp0) {
 #pragma unroll
-    for (int b = 0; b < RB; ++b)
+  for (int i = 0; i < ST - 1; ++i) {  // one commit per slot, empty or not: wait_group counts commits
+    if (first + i < last) issue(first + i, i);
+    cp_async_commit();
+  }
+  for (int grp = first, slot = 0; grp < last; ++grp, slot = slot == ST - 1 ? 0 : slot + 1) {
+    // the slot read last iteration takes group grp + ST - 1 (the __syncwarp below ordered the reads first)
+    if (grp + ST - 1 < last) issue(grp + ST - 1, slot == 0 ? ST - 1 : slot - 1);
+    cp_async_commit();
+    uint4 xv[2 * Q];
 #pragma unroll
-      for (int j = 0; j < S * Q; ++j)
-        w[b][j] = grp0 + j / Q < last && rb0 + b < N / 16
-                      ? __ldg(packed + (static_cast<int64_t>(rb0 + b) * quads + grp0 * Q + j) * 32 + lane)
-                      : make_uint4(0, 0, 0, 0);
-  };
-  load(cur, first);
-  for (int grp0 = first; grp0 < last; grp0 += S) {
-    load(nxt, grp0 + S);
+    for (int i = 0; i < 2 * Q; ++i) xv[i] = __ldg(xq + grp * Q * 8 + (i / 2) * 8 + i % 2);
+    cp_async_wait<ST - 1>();  // this lane's copies of group grp have landed
+    __syncwarp();             // and every lane's (the scales were copied by lanes 0 .. 4 RB - 1)
+    const uint4* cur = ring + slot * SLOT;
+    float d[RB][4], xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int sg = 0; sg < S; ++sg) {
-      const int grp = grp0 + sg;
-      if (grp >= last) break;
-      float d[RB][4], xs[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = 0; b < RB; ++b) d[b][0] = d[b][1] = d[b][2] = d[b][3] = 0.f;
 #pragma unroll
-      for (int b = 0; b < RB; ++b) d[b][0] = d[b][1] = d[b][2] = d[b][3] = 0.f;
+    for (int q = 0; q < Q; ++q) {
+      uint4 w[RB];
 #pragma unroll
-      for (int j = 0; j < TG; ++j) {
-        const int k0 = (grp * TG + j) * 16;
-        uint32_t b0 = 0, b1 = 0;
-        if (has_col) {
-          b0 = __ldg(reinterpret_cast<const uint32_t*>(xrow + k0));
-          b1 = __ldg(reinterpret_cast<const uint32_t*>(xrow + k0 + 8));
-        }
+      for (int b = 0; b < RB; ++b) w[b] = cur[(b * Q + q) * 32 + lane];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xa = xv[2 * q + j / 2];
+        const uint32_t b0 = (j & 1) ? xa.z : xa.x, b1 = (j & 1) ? xa.w : xa.y;
         mma(ones, b0, b1, xs);
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
-          const uint4 q4 = cur[b][sg * Q + j / 4];
-          const uint32_t v = (j & 3) == 0 ? q4.x : (j & 3) == 1 ? q4.y : (j & 3) == 2 ? q4.z : q4.w;
+          const uint32_t v = j == 0 ? w[b].x : j == 1 ? w[b].y : j == 2 ? w[b].z : w[b].w;
           const uint32_t a[4] = {pair(v), pair(v >> 4), pair(v >> 8), pair(v >> 12)};
           mma(a, b0, b1, d[b]);
         }
       }
-      // xs[0], xs[1]: the group's sum of x for columns 2t, 2t+1 (every row of the ones product)
-#pragma unroll
-      for (int b = 0; b < RB; ++b) {
-        const int r0 = (rb0 + b) * 16 + g;
-        if (r0 >= N) break;
-        const int64_t q0 = static_cast<int64_t>(r0) * groups + grp, q1 = q0 + 8 * static_cast<int64_t>(groups);
-        const float s0 = bf(__ldg(scale + q0)), z0 = bf(__ldg(zero + q0));
-        const float s1 = bf(__ldg(scale + q1)), z1 = bf(__ldg(zero + q1));
-        acc[b][0] += s0 * fmaf(-128.f, xs[0], d[b][0]) + z0 * xs[0];
-        acc[b][1] += s0 * fmaf(-128.f, xs[1], d[b][1]) + z0 * xs[1];
-        acc[b][2] += s1 * fmaf(-128.f, xs[0], d[b][2]) + z1 * xs[0];
-        acc[b][3] += s1 * fmaf(-128.f, xs[1], d[b][3]) + z1 * xs[1];
-      }
     }
+    // xs[0], xs[1]: the group's sum of x for columns 2t, 2t+1 (every row of the ones product)
+    const uint32_t* scales = reinterpret_cast<const uint32_t*>(cur + RB * Q * 32);
 #pragma unroll
-    for (int b = 0; b < RB; ++b)
-#pragma unroll
-      for (int j = 0; j < S * Q; ++j) cur[b][j] = nxt[b][j];
+    for (int b = 0; b < RB; ++b) {
+      const uint32_t p0 = scales[b * 16 + g], p1 = scales[b * 16 + g + 8];
+      const float s0 = __uint_as_float(p0 << 16), z0 = __uint_as_float(p0 & 0xFFFF0000u);
+      const float s1 = __uint_as_float(p1 << 16), z1 = __uint_as_float(p1 & 0xFFFF0000u);
+      acc[b][0] += s0 * fmaf(-128.f, xs[0], d[b][0]) + z0 * xs[0];
+      acc[b][1] += s0 * fmaf(-128.f, xs[1], d[b][1]) + z0 * xs[1];
+      acc[b][2] += s1 * fmaf(-128.f, xs[0], d[b][2]) + z1 * xs[0];
+      acc[b][3] += s1 * fmaf(-128.f, xs[1], d[b][3]) + z1 * xs[1];
+    }
+    __syncwarp();  // every lane is done with this slot before the next iteration refills it
   }
-
-  // the warps' partial sums through shared memory: red[warp][row in block][column]
-  extern __shared__ float red[];
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: the warps' partial sums go through it, red[warp][row in block][column]
+  float* red = reinterpret_cast<float*>(smem);
+  const int rb0 = blockIdx.x * RB;
 #pragma unroll
   for (int b = 0; b < RB; ++b) {
     float* r = red + (warp * RB * 16 + b * 16) * 8;
@@ -145,45 +186,67 @@ __global__ void __launch_bounds__(256) int4_mm(const uint16_t* __restrict__ x, i
   }
 }
 
-// launch shapes: (RB row blocks per block, W warps, S groups per step)
+// launch shapes: (RB row blocks per block, W warps, ST ring slots per warp). 16 warps for layers
+// of few rows (4096 x 4096: 256 row blocks, with 8 warps a block half the H200's warp slots idle)
 struct Config {
-  int rb, w, s;
+  int rb, w, st;
 };
-constexpr Config CONFIGS[] = {{1, 8, 1}, {1, 4, 1}, {1, 8, 2}, {1, 4, 2}, {1, 4, 4}, {2, 4, 2}, {1, 8, 4}, {2, 8, 2}};
+constexpr Config CONFIGS[] = {{1, 8, 4}, {1, 16, 4}, {1, 8, 3}, {1, 16, 3}, {2, 8, 3}, {2, 4, 4}, {1, 8, 6}, {2, 16, 3}};
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 
-template <int TG, int RB, int S>
-void launch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-            at::Tensor& out, int N, int K, int warps) {
-  const int blocks = (N / 16 + RB - 1) / RB, bytes = warps * RB * 16 * 8 * 4;
-  int4_mm<TG, RB, S><<<blocks, warps * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
+int smem_bytes(int tg, Config cfg) {  // the ring, or the end's partial sums if larger
+  const int ring = cfg.w * cfg.st * (cfg.rb * (tg / 4) * 32 + cfg.rb * 4) * 16, red = cfg.w * cfg.rb * 16 * 8 * 4;
+  return ring > red ? ring : red;
+}
+
+int smem_optin(int device) {  // the most dynamic shared memory a block may ask for here
+  static std::atomic<int> cached[64] = {};
+  int v = cached[device & 63].load();
+  if (v == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    cached[device & 63].store(v);
+  }
+  return v;
+}
+
+template <int TG, int RB, int ST>
+void launch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& sz, at::Tensor& out, int N,
+            int K, int warps) {
+  const int bytes = smem_bytes(TG, {RB, warps, ST}), device = x.get_device();
+  // past 48 KB a kernel's dynamic shared memory must be asked for, once per kernel and device
+  static std::atomic<uint64_t> opted_in{0};
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (bytes > 48 * 1024 && !(opted_in.load() & bit)) {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(int4_mm<TG, RB, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin(device)));
+    opted_in.fetch_or(bit);
+  }
+  const int blocks = (N / 16 + RB - 1) / RB;
+  int4_mm<TG, RB, ST><<<blocks, warps * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(x.data_ptr()), M, reinterpret_cast<const uint4*>(packed.data_ptr()),
-      reinterpret_cast<const uint16_t*>(scale.data_ptr()), reinterpret_cast<const uint16_t*>(zero.data_ptr()),
-      reinterpret_cast<uint16_t*>(out.data_ptr()), N, K);
+      reinterpret_cast<const uint4*>(sz.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), N, K);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <int TG>
-void dispatch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-              at::Tensor& out, int N, int K, Config cfg) {
-#define KILN_CASE(RB_, S_) \
-  if (cfg.rb == RB_ && cfg.s == S_) return launch<TG, RB_, S_>(x, M, packed, scale, zero, out, N, K, cfg.w);
-  KILN_CASE(1, 1)
-  KILN_CASE(1, 2)
+void dispatch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& sz, at::Tensor& out, int N,
+              int K, Config cfg) {
+#define KILN_CASE(RB_, ST_) \
+  if (cfg.rb == RB_ && cfg.st == ST_) return launch<TG, RB_, ST_>(x, M, packed, sz, out, N, K, cfg.w);
+  KILN_CASE(1, 3)
   KILN_CASE(1, 4)
-  KILN_CASE(2, 2)
+  KILN_CASE(1, 6)
+  KILN_CASE(2, 3)
+  KILN_CASE(2, 4)
 #undef KILN_CASE
   TORCH_CHECK(false, "torchkiln::cuda_int4_mm: no kernel for this config");
 }
 
-at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                        const at::Tensor& zero, int64_t group, int64_t config) {
+at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero, int64_t group,
+                        int64_t config) {
   // the Python wrapper (cuda_int4.py) checks operands and names what is wrong; these are a backstop
-  TORCH_CHECK(x.is_cuda() && packed.is_cuda() && scale.is_cuda() && zero.is_cuda(),
-              "torchkiln::cuda_int4_mm: CUDA tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && scale.scalar_type() == at::kBFloat16 &&
-                  zero.scalar_type() == at::kBFloat16,
-              "torchkiln::cuda_int4_mm: x, scale and zero must be bfloat16");
+  TORCH_CHECK(x.is_cuda() && packed.is_cuda() && scale_zero.is_cuda(), "torchkiln::cuda_int4_mm: CUDA tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "torchkiln::cuda_int4_mm: x must be bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.is_contiguous() &&
                   packed.size(2) == 32 && packed.size(3) == 4,
               "torchkiln::cuda_int4_mm: packed must be a contiguous int32 [N/16, K/64, 32, 4] tensor");
@@ -191,29 +254,31 @@ at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(x.is_contiguous() && x.size(-1) == K && x.numel() / K >= 1 && x.numel() / K <= 8,
               "torchkiln::cuda_int4_mm: x must be 1-8 contiguous rows of K");
   TORCH_CHECK(group == 64 || group == 128 || group == 256, "torchkiln::cuda_int4_mm: group must be 64, 128 or 256");
-  TORCH_CHECK(scale.is_contiguous() && zero.is_contiguous() && scale.numel() == N * (K / group) &&
-                  zero.numel() == N * (K / group),
-              "torchkiln::cuda_int4_mm: scale and zero must be contiguous [N, K / group]");
+  TORCH_CHECK(scale_zero.scalar_type() == at::kInt && scale_zero.is_contiguous() &&
+                  scale_zero.numel() == N * (K / group),
+              "torchkiln::cuda_int4_mm: scale_zero must be a contiguous int32 [N/16, K / group, 16] tensor");
   TORCH_CHECK(config >= -1 && config < N_CONFIGS, "torchkiln::cuda_int4_mm: config out of range");
   c10::cuda::CUDAGuard guard(x.device());
   const int M = static_cast<int>(x.numel() / K);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor out = at::empty(sizes, x.options());
-  // B operand loads are 4 bytes: a view at an odd offset is copied
-  const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 ? x.clone() : x;
-  // default: 8 warps, and two row blocks a block once there are enough of them to fill the GPU
-  const Config cfg = CONFIGS[config >= 0 ? config : (N >= 16384 ? 1 : 0)];
-  const int n = static_cast<int>(N), k = static_cast<int>(K);
-  if (group == 64) dispatch<4>(xa, M, packed, scale, zero, out, n, k, cfg);
-  else if (group == 128) dispatch<8>(xa, M, packed, scale, zero, out, n, k, cfg);
-  else dispatch<16>(xa, M, packed, scale, zero, out, n, k, cfg);
+  // x is read 16 bytes a load: a view at another offset is copied
+  const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 ? x.clone() : x;
+  const int n = static_cast<int>(N), k = static_cast<int>(K), tg = static_cast<int>(group) / 16;
+  Config cfg = CONFIGS[config >= 0 ? config : 0];
+  // a shape whose ring this GPU cannot hold (large groups, smaller GPUs) takes the first; tune() times what ran
+  if (smem_bytes(tg, cfg) > smem_optin(x.get_device())) cfg = CONFIGS[0];
+  TORCH_CHECK(smem_bytes(tg, cfg) <= smem_optin(x.get_device()), "torchkiln::cuda_int4_mm: not enough shared memory");
+  if (group == 64) dispatch<4>(xa, M, packed, scale_zero, out, n, k, cfg);
+  else if (group == 128) dispatch<8>(xa, M, packed, scale_zero, out, n, k, cfg);
+  else dispatch<16>(xa, M, packed, scale_zero, out, n, k, cfg);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchkiln, m) {
-  m.def("cuda_int4_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero, int group, int config=-1) -> Tensor");
+  m.def("cuda_int4_mm(Tensor x, Tensor packed, Tensor scale_zero, int group, int config=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(torchkiln, CUDA, m) { m.impl("cuda_int4_mm", cuda_int4_mm); }

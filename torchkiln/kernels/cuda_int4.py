@@ -21,7 +21,7 @@ from . import build
 SOURCE = Path(__file__).with_name("cuda_int4.cu")
 GROUPS = (64, 128, 256)
 MAX_ROWS = 8  # rows of x per call: the MMA's 8 columns
-CONFIGS = 8  # launch shapes the op offers (cuda_int4.cu CONFIGS); -1 picks by the weight's shape
+CONFIGS = 8  # launch shapes the op offers (cuda_int4.cu CONFIGS); -1 is the first
 _lock = threading.Lock()
 
 
@@ -70,7 +70,7 @@ def _register_fake() -> None:
     torch.library.register_fake("torchkiln::cuda_int4_mm")(_fake)
 
 
-def _fake(x, packed, scale, zero, group, config=-1):
+def _fake(x, packed, scale_zero, group, config=-1):
     return x.new_empty(*x.shape[:-1], 16 * packed.shape[0])
 
 
@@ -89,21 +89,34 @@ def _nibble_rows_cols() -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cols
 
 
-_ORDER: dict = {}  # device -> _nibble_rows_cols() there (made outside any CUDA-graph capture, by pack)
+_ORDER: dict = {}  # device -> (*_nibble_rows_cols(), _columns()) there (made outside any CUDA-graph capture, by pack)
 
 
-def _order(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _order(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if device not in _ORDER:
-        _ORDER[device] = tuple(i.to(device) for i in _nibble_rows_cols())
+        _ORDER[device] = tuple(i.to(device) for i in (*_nibble_rows_cols(), _columns()))
     return _ORDER[device]
+
+
+def _columns() -> torch.Tensor:
+    """Where each of a 64-column block's MMA columns reads x: tile j's column 2t + e (e = 0, 1) is
+    x's column 16t + 4j + e and its column 2t + 8 + e is 16t + 4j + 2 + e, so that a lane's B
+    operands for the block's 4 tiles are x's 16 consecutive values at 16t (two 16-byte loads)."""
+    cols = torch.empty(64, dtype=torch.long)
+    for j in range(4):
+        for kk in range(16):
+            t, e, high = (kk % 8) // 2, kk % 2, kk // 8
+            cols[16 * j + kk] = 16 * t + 4 * j + 2 * high + e
+    return cols
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """int4 codes ``q`` (integers 0-15, [N, K], N % 16 == 0, K % 64 == 0) in the kernel's layout:
     int32 [N/16, K/64, 32, 4], the word of lane l for the 16 x 16 tile (row block b, column block c)
-    at [b, c // 4, l, c % 4]."""
+    at [b, c // 4, l, c % 4], each 64 columns in ``_columns()``'s order."""
     n, k = q.shape
-    rows, cols = _order(q.device)
+    rows, cols, columns = _order(q.device)
+    q = q.view(n, k // 64, 64)[:, :, columns]
     tiles = q.to(torch.int32).view(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # [b, c, 16, 16]
     nib = tiles[:, :, rows, cols]  # [b, c, 32 lanes, 8 nibbles]
     word = (nib << (4 * torch.arange(8, device=q.device))).sum(-1, dtype=torch.int64)
@@ -114,12 +127,33 @@ def pack(q: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """``pack``'s inverse: the codes [N, K] (uint8)."""
     b, c4 = packed.shape[:2]
-    rows, cols = _order(packed.device)  # cached by pack(): a copy to the GPU would break a graph capture
+    rows, cols, columns = _order(packed.device)  # cached by pack(): a copy to the GPU would break a graph capture
     word = packed.transpose(2, 3).reshape(b, 4 * c4, 32).to(torch.int64) & 0xFFFFFFFF
     nib = (word[..., None] >> (4 * torch.arange(8, device=packed.device))) & 0xF  # [b, c, 32, 8]
     tiles = torch.empty(b, 4 * c4, 16, 16, dtype=torch.uint8, device=packed.device)
     tiles[:, :, rows, cols] = nib.to(torch.uint8)
-    return tiles.permute(0, 2, 1, 3).reshape(16 * b, 64 * c4)
+    mma_order = tiles.permute(0, 2, 1, 3).reshape(16 * b, c4, 64)
+    q = torch.empty_like(mma_order)
+    q[:, :, columns] = mma_order
+    return q.view(16 * b, 64 * c4)
+
+
+def pack_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Per-group ``scale`` and ``zero`` ([N, K / group], bf16) as the kernel reads them: int32
+    [N/16, K / group, 16], per 16 rows and group the rows' (scale, zero) bf16 pairs (scale in the
+    low half): one 64-byte copy per row block and group."""
+    n, groups = scale.shape
+    bits = [t.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF for t in (scale, zero)]
+    word = bits[0] | (bits[1] << 16)  # int32 arithmetic wraps: the zero's sign bit lands in bit 31
+    return word.view(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+
+def unpack_scales(scale_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_scales``' inverse: (scale, zero), each bf16 [N, K / group]."""
+    blocks, groups, _ = scale_zero.shape
+    words = scale_zero.transpose(1, 2).reshape(16 * blocks, groups)
+    halves = [(words & 0xFFFF).to(torch.int16), ((words >> 16) & 0xFFFF).to(torch.int16)]
+    return tuple(h.view(torch.bfloat16) for h in halves)
 
 
 def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -127,18 +161,18 @@ def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0 and group in GROUPS and k % group == 0
 
 
-def mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-       config: int = -1) -> torch.Tensor:
+def mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int = -1) -> torch.Tensor:
     """``x @ w.T`` for 1-8 rows of x (``load()`` first), w = q * scale + zero per group of ``group``
-    inputs, q in ``pack``'s layout. Bad operands raise ValueError here, naming what is wrong."""
-    why = _bad_operands(x, packed, scale, zero, group, config)
+    inputs, q in ``pack``'s layout, scale and zero in ``pack_scales``'. Bad operands raise ValueError
+    here, naming what is wrong."""
+    why = _bad_operands(x, packed, scale_zero, group, config)
     if why:
         raise ValueError(f"torchkiln::cuda_int4_mm: {why}")
-    return torch.ops.torchkiln.cuda_int4_mm(x, packed, scale, zero, group, config)
+    return torch.ops.torchkiln.cuda_int4_mm(x, packed, scale_zero, group, config)
 
 
-def _bad_operands(x, packed, scale, zero, group, config) -> str | None:
-    if not (x.is_cuda and packed.is_cuda and scale.is_cuda and zero.is_cuda):
+def _bad_operands(x, packed, scale_zero, group, config) -> str | None:
+    if not (x.is_cuda and packed.is_cuda and scale_zero.is_cuda):
         return f"CUDA tensors only (x on {x.device}, packed on {packed.device})"
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
@@ -150,11 +184,12 @@ def _bad_operands(x, packed, scale, zero, group, config) -> str | None:
         return f"x must be 1-{MAX_ROWS} contiguous rows of {k} values, got sizes {tuple(x.shape)}"
     if group not in GROUPS or k % group:
         return f"group must be one of {GROUPS} dividing K = {k}, got {group}"
-    for name, t in (("scale", scale), ("zero", zero)):
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.numel() != n * (k // group):
-            return f"{name} must be contiguous bfloat16 [{n}, {k // group}], got {t.dtype} sizes {tuple(t.shape)}"
+    want = (n // 16, k // group, 16)
+    if scale_zero.dtype != torch.int32 or tuple(scale_zero.shape) != want or not scale_zero.is_contiguous():
+        return (f"scale_zero must be pack_scales()' contiguous int32 {list(want)}, got {scale_zero.dtype} "
+                f"sizes {tuple(scale_zero.shape)}")
     if not -1 <= config < CONFIGS:
-        return f"config must be -1 (by shape) or 0-{CONFIGS - 1}, got {config}"
+        return f"config must be -1 (the first) or 0-{CONFIGS - 1}, got {config}"
     return None
 
 
@@ -169,17 +204,18 @@ def tune(n: int, k: int, group: int, device: torch.device) -> int:
     if key not in _TUNED:
         copies = max(2, -(-(128 << 20) // (n * k // 2)))
         packed = [torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32, device=device) for _ in range(copies)]
-        scale = torch.ones(n, k // group, dtype=torch.bfloat16, device=device)
+        one = torch.ones(n, k // group, dtype=torch.bfloat16, device=device)
+        scale_zero = pack_scales(one, one)
         x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
         times = {}
         for config in range(CONFIGS):  # each inside a CUDA graph: eager calls would time the launches
             for p in packed:  # warm-up
-                torch.ops.torchkiln.cuda_int4_mm(x, p, scale, scale, group, config)
+                torch.ops.torchkiln.cuda_int4_mm(x, p, scale_zero, group, config)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for p in packed:
-                    torch.ops.torchkiln.cuda_int4_mm(x, p, scale, scale, group, config)
+                    torch.ops.torchkiln.cuda_int4_mm(x, p, scale_zero, group, config)
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -157,10 +157,9 @@ class Int4Linear(nn.Module):
         else:
             q, scale, lo = (t.to(linear.weight.device) for t in codes)
             q = q.view(n, k // group, group)
-        if mma:  # torchkiln's CUDA kernel (kernels/cuda_int4.cu): its tile layout, scale and zero as below
+        if mma:  # torchkiln's CUDA kernel (kernels/cuda_int4.cu): its tile layout, scale and zero paired
             self.register_buffer("packed", cuda_int4.pack(q.view(n, k)))
-            self.register_buffer("scale", scale.to(linear.weight.dtype))
-            self.register_buffer("zero", lo.to(linear.weight.dtype))
+            self.register_buffer("scale_zero", cuda_int4.pack_scales(scale, lo))
             self.config = cuda_int4.tune(n, k, group, linear.weight.device)  # one-row launch shape
         elif tinygemm:
             q = q.view(n, k)
@@ -224,19 +223,21 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, k)
         if x.is_cuda and x.dtype == torch.bfloat16 and rows.shape[0] <= MMA_ROWS:
             parts = [torch.ops.torchkiln.cuda_int4_mm(rows[i:i + cuda_int4.MAX_ROWS].contiguous(), self.packed,
-                                                      self.scale, self.zero, self.group, self.config)
+                                                      self.scale_zero, self.group, self.config)
                      for i in range(0, rows.shape[0], cuda_int4.MAX_ROWS)]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
-            out = F.linear(rows, self._dense(cuda_int4.unpack(self.packed), x.dtype))
+            scale, zero = cuda_int4.unpack_scales(self.scale_zero)
+            out = F.linear(rows, self._dense(cuda_int4.unpack(self.packed), x.dtype, scale, zero))
         return out.view(*x.shape[:-1], n)
 
-    def _dense(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _dense(self, q: torch.Tensor, dtype: torch.dtype, scale=None, zero=None) -> torch.Tensor:
         """The float weight [N, K] from the codes (any shape holding each row's K values in column
-        order), ``q * scale + zero`` per group."""
+        order), ``q * scale + zero`` per group (by default the layer's own scale and zero)."""
         n, k = self.out_features, self.in_features
+        scale, zero = (self.scale, self.zero) if scale is None else (scale, zero)
         q = q.reshape(n, k // self.group, self.group)
-        return (q.to(dtype) * self.scale[..., None] + self.zero[..., None]).view(n, k)
+        return (q.to(dtype) * scale[..., None] + zero[..., None]).view(n, k)
 
 
 def apply(model: nn.Module, config: QuantConfig, device: torch.device, codes: dict | None = None) -> None:
