@@ -87,20 +87,30 @@ def test_weight_only_quant_on_cuda(quant, cos):
     assert out.shape == (1, 16)
 
 
-@pytest.mark.parametrize("impl", ["auto", "cuda"])
-def test_int4_batched_decode_warns_and_each_row_decodes_as_alone_up_to_a_near_tie(impl, monkeypatch):
-    """max_batch_size at INT4_SLOW_ROWS warns that int4 decodes such batches slower than bf16 (and says
-    what serves them faster); the batch still decodes, each row as it decodes alone: the same first
-    logits within bf16 rounding, and the same tokens until a step whose choice was a near-tie when
-    decoded alone (batched and alone prompts take different kernels: a wide prefill dequantizes for
-    cuBLAS; after one near-tie flips the two sequences rightly part)."""
+@pytest.mark.parametrize("impl", ["tinygemm", "auto"])  # tinygemm: forced
+def test_int4_batched_decode_each_row_decodes_as_alone_up_to_a_near_tie(impl, monkeypatch):
+    """A batch of 8 decodes each row as it decodes alone: the same first logits within bf16 rounding,
+    and the same tokens until a step whose choice was a near-tie when decoded alone (batched and
+    alone prompts take different kernels: a wide prefill dequantizes for cuBLAS; after one near-tie
+    flips the two sequences rightly part). Through torch's or the Triton kernels, max_batch_size at
+    INT4_SLOW_ROWS warns that int4 decodes such batches slower than bf16 and says what serves them
+    faster; through torchkiln's CUDA kernel ("auto" here, where nvcc builds it) 8 rows take one pass
+    and it does not."""
+    import warnings
+
     from torchkiln.llm import api, quant
 
     monkeypatch.setattr(quant, "INT4_IMPL", impl)
     model = build("llama", seed=6).cuda()
-    with pytest.warns(UserWarning, match=r"max_batch_size=8: .*quant='int8'"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", max_seq_len=64,
                                max_batch_size=api.INT4_SLOW_ROWS)
+    slow = [w for w in caught if "max_batch_size=8" in str(w.message)]
+    # (this small model's layers are too narrow for tinygemm: forced, the Triton GEMV serves them)
+    kernels = fast.kiln_report.int4_kernel
+    assert ("torchkiln CUDA" in kernels) == (impl == "auto"), kernels
+    assert len(slow) == (impl != "auto") and (not slow or "quant='int8'" in str(slow[0].message))
     ids = torch.randint(3, 96, (8, 8), generator=torch.Generator().manual_seed(7)).cuda()
     kw = dict(max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
     out = fast.generate(ids, **kw)
@@ -244,7 +254,7 @@ def test_int8_decode_rows_each_dtype(dtype, rows):
 
 
 def test_gptq_int4_on_cuda():
-    """GPTQ codes packed into tinygemm's layout on the GPU (bf16): the quantized logits stay close to the float
+    """GPTQ codes packed into the int4 kernel's layout on the GPU (bf16): the quantized logits stay close to the float
     ones on the probe prompt, and it decodes."""
     model = build("llama", seed=6).cuda()
     calib = [torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(s)).cuda() for s in (7, 8, 9)]

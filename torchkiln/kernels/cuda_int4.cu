@@ -61,9 +61,8 @@ __device__ __forceinline__ uint32_t pair(uint32_t v) {
 }
 
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {  // smem: a shared-window address
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -100,15 +99,27 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
   constexpr uint32_t ONES = 0x3F803F80u;  // bf16 pair (1, 1)
   const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
 
+  // This warp's ring, its slots filled and read in turn. Pointers advance by a group: computing each
+  // copy's addresses from the group index took ~40 of the loop's ~164 instructions a group (SASS).
   extern __shared__ uint4 smem[];
-  uint4* ring = smem + warp * ST * SLOT;
-  auto issue = [&](int grp, int slot) {
-    uint4* dst = ring + slot * SLOT;
+  const uint4* const ring = smem + warp * ST * SLOT;
+  const uint32_t fill_lo = static_cast<uint32_t>(__cvta_generic_to_shared(ring + lane));
+  const uint32_t fill_hi = fill_lo + (ST - 1) * SLOT * 16;
+  uint32_t fill = fill_lo;
+  const uint4* wnext[RB];
 #pragma unroll
-    for (int b = 0; b < RB; ++b)
+  for (int b = 0; b < RB; ++b) wnext[b] = wq[b] + first * Q * 32;
+  const uint4* sznext = szq + first * 4;
+  auto issue = [&]() {
 #pragma unroll
-      for (int q = 0; q < Q; ++q) cp_async16(dst + (b * Q + q) * 32 + lane, wq[b] + (grp * Q + q) * 32);
-    if (lane < 4 * RB) cp_async16(dst + RB * Q * 32 + lane, szq + grp * 4);
+    for (int b = 0; b < RB; ++b) {
+#pragma unroll
+      for (int q = 0; q < Q; ++q) cp_async16(fill + (b * Q + q) * 32 * 16, wnext[b] + q * 32);
+      wnext[b] += Q * 32;
+    }
+    if (lane < 4 * RB) cp_async16(fill + RB * Q * 32 * 16, sznext);
+    sznext += 4;
+    fill = fill == fill_hi ? fill_lo : fill + SLOT * 16;
   };
 
   float acc[RB][4];
@@ -116,19 +127,21 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
   for (int b = 0; b < RB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {  // one commit per slot, empty or not: wait_group counts commits
-    if (first + i < last) issue(first + i, i);
+    if (first + i < last) issue();
     cp_async_commit();
   }
-  for (int grp = first, slot = 0; grp < last; ++grp, slot = slot == ST - 1 ? 0 : slot + 1) {
+  const uint4* cur = ring;
+  const uint4* xnext = xq + first * Q * 8;
+  for (int grp = first; grp < last; ++grp) {
     // the slot read last iteration takes group grp + ST - 1 (the __syncwarp below ordered the reads first)
-    if (grp + ST - 1 < last) issue(grp + ST - 1, slot == 0 ? ST - 1 : slot - 1);
+    if (grp + ST - 1 < last) issue();
     cp_async_commit();
     uint4 xv[2 * Q];
 #pragma unroll
-    for (int i = 0; i < 2 * Q; ++i) xv[i] = __ldg(xq + grp * Q * 8 + (i / 2) * 8 + i % 2);
+    for (int i = 0; i < 2 * Q; ++i) xv[i] = __ldg(xnext + (i / 2) * 8 + i % 2);
+    xnext += Q * 8;
     cp_async_wait<ST - 1>();  // this lane's copies of group grp have landed
     __syncwarp();             // and every lane's (the scales were copied by lanes 0 .. 4 RB - 1)
-    const uint4* cur = ring + slot * SLOT;
     float d[RB][4], xs[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int b = 0; b < RB; ++b) d[b][0] = d[b][1] = d[b][2] = d[b][3] = 0.f;
@@ -162,6 +175,7 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
       acc[b][2] += s1 * fmaf(-128.f, xs[0], d[b][2]) + z1 * xs[0];
       acc[b][3] += s1 * fmaf(-128.f, xs[1], d[b][3]) + z1 * xs[1];
     }
+    cur = cur == ring + (ST - 1) * SLOT ? ring : cur + SLOT;
     __syncwarp();  // every lane is done with this slot before the next iteration refills it
   }
   cp_async_wait<0>();

@@ -25,7 +25,7 @@ from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
-from .quant import cpu_int8_rows, gptq_codes
+from .quant import cpu_int8_rows, gptq_codes, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -71,6 +71,7 @@ class LLMReport:
     rope: int | None = None              # CUDA one-row decode: layers whose RoPE and KV-cache writes run in
                                          # llm/qkv_rope.py's kernels (in the int8 q/k/v GEMV where folded)
     wrapper: str | None = None           # the compiled decode step's wrapper: "C++" (CPU) or "Python"
+    int4_kernel: str | None = None       # quant='int4': the kernels serving its layers (llm/quant.py INT4_IMPL)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -89,6 +90,8 @@ class LLMReport:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
             if self.cuda_gemv:
                 lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
+            if self.int4_kernel:
+                lines.append(f"  int4 kernel: {self.int4_kernel}")
             if self.folded is not None:
                 lines.append(f"  int8 decode layers with norms, residuals and silu * up inside the GEMVs: {self.folded}")
             if self.rope is not None:
@@ -142,9 +145,10 @@ def _auto_dtype(model, device: torch.device) -> torch.dtype:
     return own
 
 
-# CUDA int4 decode of this many rows ran slower than bf16: tinygemm at Llama-3-8B's shapes was
+# CUDA int4 decode of this many rows ran slower than bf16 through tinygemm: at Llama-3-8B's shapes
 # 0.69-0.78x cuBLAS bf16 at 8 rows, 1.1-1.3x at 4 (benchmarks/diag_rows.py, RESULTS.md "int4 and int8 at
-# batch > 1"); optimize() warns when max_batch_size reaches it
+# batch > 1"); optimize() warns when max_batch_size reaches it and torchkiln's CUDA kernel does not
+# serve the layers (it takes 8 rows in one pass over the weights, its MMA's 8 columns)
 INT4_SLOW_ROWS = 8
 
 
@@ -230,7 +234,8 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
         return _stock(work, report, str(e), t0)
     work._kiln_calib = calib  # for a rebuild after .to()
     runner.reserve(max_batch_size, min(max_seq_len or 256, runner.decoder.spec.max_positions))
-    if quant == "int4" and target.type == "cuda" and max_batch_size >= INT4_SLOW_ROWS:
+    if quant == "int4" and target.type == "cuda" and max_batch_size >= INT4_SLOW_ROWS \
+            and "torchkiln CUDA" not in (report.int4_kernel or ""):
         warn_once(f"llm-int4-batch:{max_batch_size}",
                   f"torchkiln.llm: quant='int4' with max_batch_size={max_batch_size}: on CUDA, int4 decode "
                   f"of {INT4_SLOW_ROWS} or more rows runs slower than bf16 (torch's int4 kernel makes about one "
@@ -281,6 +286,10 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             report.quant_rounding = "nearest" if len(short) == len(codes) else \
                 f"gptq ({len(short)} of {len(codes)} projections nearest: fewer calibration tokens than inputs)"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
+        report.int4_kernel, why = int4_kernels(decoder)
+        if why:
+            report.fallbacks.append(why)
+            warn_once("llm-int4-kernel", f"torchkiln.llm: {why}", owner=work)
         if target.type == "cpu" and compile and quant == "int8":
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))

@@ -9,20 +9,18 @@ import importlib.util
 import torch
 from torch import nn
 
-from ..kernels import cpu_gemv
+from ..kernels import cpu_gemv, cuda_int4
 from ..quantization import gemv, gptq
 from ..quantization.weight_only import Int4Linear, Int8Linear, cpu_kernels
 from .model import describe, kernel_why, pick, time_forms
 
-# int4 kernel. "auto": on CUDA in bf16, tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm)
-# called on plain buffers, for decode and prefill alike; elsewhere Int4Linear's own layout (the Triton
-# GEMV for CUDA decode, the expression otherwise). On the H200, bs1 GEMVs of Llama-3-8B's shapes:
-# tinygemm 1.44-1.81x bf16, the Triton int4 GEMV 1.10-1.44x (benchmarks/RESULTS.md, "Triton int8/int4
-# decode GEMVs"); the expression alone decoded at 66 tok/s. "cuda": torchkiln's own CUDA kernel
-# (kernels/cuda_int4.cu, tensor cores, Int4Linear's mma layout) where nvcc builds it: 1.02-1.40x
-# tinygemm per shape and Llama-3-8B int4 decode 1.13x (RESULTS.md, fortieth session), on request
-# only until a batch-8 decode's rows match the same rows decoded alone as they do under tinygemm
-# (tests/llm/test_cuda_llm.py: 3 tokens apart, against at most 1; not yet explained). "torchao"
+# int4 kernel. "auto" (or "cuda"): on CUDA in bf16, torchkiln's own CUDA kernel (kernels/cuda_int4.cu,
+# tensor cores, Int4Linear's mma layout) where nvcc builds it (~32 s, once per machine): on the H200 at
+# Llama-3-8B's shapes 1.2-1.9x tinygemm per shape, and int4 decode 435 tok/s against tinygemm's 326
+# (benchmarks/RESULTS.md, forty-first session). Elsewhere, or where it cannot be built (the report says
+# why), tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm) called on plain buffers: 1.44-1.81x
+# bf16, the Triton int4 GEMV 1.10-1.44x (RESULTS.md, "Triton int8/int4 decode GEMVs"); off CUDA,
+# Int4Linear's own layout (the expression; it alone decoded at 66 tok/s on the H200). "torchao"
 # reaches tinygemm through torchao's tensor subclass: its decode step left the GPU idle ~2 ms per
 # token (RESULTS.md, "int4 decode"), so it is kept only for comparison. "tinygemm" and "triton"
 # force one.
@@ -93,11 +91,35 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
                 group = _int4_group(child)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
-                mma = impl == "cuda" and Int4Linear.fits_mma(child, group)
-                tiny = not mma and impl in ("auto", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
+                mma = impl in ("auto", "cuda") and Int4Linear.fits_mma(child, group)
+                tiny = not mma and impl in ("auto", "cuda", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
                 setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine, mma=mma))
             done += 1
     return done
+
+
+def _kernel_name(m: Int4Linear) -> str:
+    return "torchkiln CUDA (tensor cores)" if m.mma else "tinygemm" if m.tinygemm else \
+        "Triton GEMV" if m.kernel else "dequantizing expression"
+
+
+def int4_kernels(decoder: nn.Module) -> tuple[str | None, str | None]:
+    """(the kernels serving the decoder's int4 layers, in words; where "auto" would have taken
+    torchkiln's CUDA kernel for some of them and did not, which ones run what instead and why)."""
+    layers = [m for m in decoder.modules() if isinstance(m, Int4Linear)]
+    if not layers:
+        return None, None
+    what = ", ".join(sorted({_kernel_name(m) for m in layers}))
+    rest = [m for m in layers if not m.mma]
+    if INT4_IMPL not in ("auto", "cuda") or not layers[0].packed.is_cuda or not rest:
+        return what, None
+    why = cuda_int4.load(layers[0].packed.device)
+    if why is None:
+        dtype = (rest[0].scale_zero if rest[0].tinygemm else rest[0].scale).dtype
+        why = f"it takes bf16 only, not {dtype}" if dtype != torch.bfloat16 else \
+            "their shapes do not fit it (outputs a multiple of 16, inputs of 64 and of the group)"
+    others = ", ".join(sorted({_kernel_name(m) for m in rest}))
+    return what, f"{len(rest)} of {len(layers)} int4 layers run {others}, not torchkiln's CUDA kernel: {why}"
 
 
 def cpu_int8_rows(decoder: nn.Module) -> str | None:
