@@ -3,8 +3,8 @@ tensor cores, in a tile layout of its own (``pack``), an op written in CUDA C++ 
 why) and built here on first use.
 
 The build needs CUDA's compiler (nvcc: ``$CUDA_HOME/bin/nvcc``, on PATH, or /usr/local/cuda's) and
-torch's headers; it takes 20-60 s, once per machine, torch version and GPU architecture (the library
-is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a compile error), ``load()``
+torch's headers; it takes ~30 s (32 s on the H200 machine), once per machine, torch version and GPU
+architecture (the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a compile error), ``load()``
 says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
 """
 

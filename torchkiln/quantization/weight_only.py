@@ -130,9 +130,9 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Asymmetric int4 weights in groups (128 by default) along the input, ``w = q * scale + zero``.
 
-    Three layouts. ``mma=True`` (CUDA in bf16, where nvcc builds torchkiln's kernel; the LLM path's
-    on request, llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout, calls of up to MMA_ROWS
-    rows through that kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
+    Three layouts. ``mma=True`` (CUDA in bf16, where nvcc builds torchkiln's kernel; tk.llm's default,
+    llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout and pack_scales' (scale, zero) pairs,
+    calls of up to MMA_ROWS rows through that kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
     kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
     value of q = 8 (``zero + 8 * scale`` here), for every call on the CPU and CUDA calls of up to
     TINYGEMM_ROWS rows; wider CUDA calls dequantize the tiles for cuBLAS (gemv.tinygemm_dense).
