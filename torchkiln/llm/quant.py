@@ -117,7 +117,7 @@ def int4_kernels(decoder: nn.Module) -> tuple[str | None, str | None]:
     if why is None:
         dtype = (rest[0].scale_zero if rest[0].tinygemm else rest[0].scale).dtype
         why = f"it takes bf16 only, not {dtype}" if dtype != torch.bfloat16 else \
-            "their shapes do not fit it (outputs a multiple of 16, inputs of 64 and of the group)"
+            "their shapes do not fit it (it takes outputs a multiple of 16, inputs of 64, groups of 64-256)"
     others = ", ".join(sorted({_kernel_name(m) for m in rest}))
     return what, f"{len(rest)} of {len(layers)} int4 layers run {others}, not torchkiln's CUDA kernel: {why}"
 
