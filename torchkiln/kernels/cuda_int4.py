@@ -4,8 +4,8 @@ why) and built here on first use.
 
 The build needs CUDA's compiler (nvcc: ``$CUDA_HOME/bin/nvcc``, on PATH, or /usr/local/cuda's) and
 torch's headers; it takes ~30 s (32 s on the H200 machine), once per machine, torch version and GPU
-architecture (the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a compile error), ``load()``
-says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
+architecture (the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a
+compile error), ``load()`` says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
 """
 
 from __future__ import annotations
@@ -89,15 +89,6 @@ def _nibble_rows_cols() -> tuple[torch.Tensor, torch.Tensor]:
     return rows, cols
 
 
-_ORDER: dict = {}  # device -> (*_nibble_rows_cols(), _columns()) there
-
-
-def _order(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if device not in _ORDER:
-        _ORDER[device] = tuple(i.to(device) for i in (*_nibble_rows_cols(), _columns()))
-    return _ORDER[device]
-
-
 def _columns() -> torch.Tensor:
     """Where each of a 64-column block's MMA columns reads x: tile j's column 2t + e (e = 0, 1) is
     x's column 16t + 4j + e and its column 2t + 8 + e is 16t + 4j + 2 + e, so that a lane's B
@@ -115,8 +106,8 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     int32 [N/16, K/64, 32, 4], the word of lane l for the 16 x 16 tile (row block b, column block c)
     at [b, c // 4, l, c % 4], each 64 columns in ``_columns()``'s order."""
     n, k = q.shape
-    rows, cols, columns = _order(q.device)
-    q = q.view(n, k // 64, 64)[:, :, columns]
+    rows, cols = (i.to(q.device) for i in _nibble_rows_cols())
+    q = q.view(n, k // 64, 64)[:, :, _columns().to(q.device)]
     tiles = q.to(torch.int32).view(n // 16, 16, k // 16, 16).permute(0, 2, 1, 3)  # [b, c, 16, 16]
     nib = tiles[:, :, rows, cols]  # [b, c, 32 lanes, 8 nibbles]
     word = (nib << (4 * torch.arange(8, device=q.device))).sum(-1, dtype=torch.int64)

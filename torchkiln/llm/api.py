@@ -25,7 +25,7 @@ from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
-from .quant import cpu_int8_rows, gptq_codes, int4_kernels
+from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -235,7 +235,7 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
     work._kiln_calib = calib  # for a rebuild after .to()
     runner.reserve(max_batch_size, min(max_seq_len or 256, runner.decoder.spec.max_positions))
     if quant == "int4" and target.type == "cuda" and max_batch_size >= INT4_SLOW_ROWS \
-            and "torchkiln CUDA" not in (report.int4_kernel or ""):
+            and MMA_KERNEL not in (report.int4_kernel or ""):
         warn_once(f"llm-int4-batch:{max_batch_size}",
                   f"torchkiln.llm: quant='int4' with max_batch_size={max_batch_size}: on CUDA, int4 decode "
                   f"of {INT4_SLOW_ROWS} or more rows runs slower than bf16 (torch's int4 kernel makes about one "

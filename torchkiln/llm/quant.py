@@ -16,7 +16,7 @@ from .model import describe, kernel_why, pick, time_forms
 
 # int4 kernel. "auto" (or "cuda"): on CUDA in bf16, torchkiln's own CUDA kernel (kernels/cuda_int4.cu,
 # tensor cores, Int4Linear's mma layout) where nvcc builds it (~32 s, once per machine): on the H200 at
-# Llama-3-8B's shapes 1.2-1.9x tinygemm per shape, and int4 decode 435 tok/s against tinygemm's 326
+# Llama-3-8B's shapes 1.2-1.9x tinygemm per shape, and int4 decode 437 tok/s against tinygemm's 327
 # (benchmarks/RESULTS.md, forty-first session). Elsewhere, or where it cannot be built (the report says
 # why), tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm) called on plain buffers: 1.44-1.81x
 # bf16, the Triton int4 GEMV 1.10-1.44x (RESULTS.md, "Triton int8/int4 decode GEMVs"); off CUDA,
@@ -98,8 +98,11 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
     return done
 
 
+MMA_KERNEL = "torchkiln CUDA (tensor cores)"  # int4_kernels' name for Int4Linear's mma layout
+
+
 def _kernel_name(m: Int4Linear) -> str:
-    return "torchkiln CUDA (tensor cores)" if m.mma else "tinygemm" if m.tinygemm else \
+    return MMA_KERNEL if m.mma else "tinygemm" if m.tinygemm else \
         "Triton GEMV" if m.kernel else "dequantizing expression"
 
 

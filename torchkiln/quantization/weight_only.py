@@ -132,8 +132,8 @@ class Int4Linear(nn.Module):
 
     Three layouts. ``mma=True`` (CUDA in bf16, where nvcc builds torchkiln's kernel; tk.llm's default,
     llm/quant.py INT4_IMPL): kernels/cuda_int4.py's tile layout and pack_scales' (scale, zero) pairs,
-    calls of up to MMA_ROWS rows through that kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in bf16 where torch has its CPU
-    kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
+    calls of up to MMA_ROWS rows through that kernel. ``tinygemm=True`` (CUDA in bf16, or the CPU in
+    bf16 where torch has its CPU kernel): tinygemm's packed tiles and its [groups, N, 2] scale-and-zero table, whose zero is the
     value of q = 8 (``zero + 8 * scale`` here), for every call on the CPU and CUDA calls of up to
     TINYGEMM_ROWS rows; wider CUDA calls dequantize the tiles for cuBLAS (gemv.tinygemm_dense).
     Otherwise two values per byte: in each group the low nibbles hold its first half of
@@ -211,14 +211,13 @@ class Int4Linear(nn.Module):
         else:
             n, k = self.packed.shape[0], 2 * self.packed.shape[1]
             p = self.packed.view(n, k // self.group, self.group // 2)
-            out = F.linear(x, self._dense(torch.stack((p & 0xF, p >> 4), dim=2), x.dtype))
+            out = F.linear(x, self._dense(torch.stack((p & 0xF, p >> 4), dim=2), x.dtype, self.scale, self.zero))
         return out + self.bias if self.bias is not None else out
 
     def _mma(self, x: torch.Tensor) -> torch.Tensor:
         """The mma layout: calls of up to MMA_ROWS rows through the kernel, 8 rows a launch (its
         MMA's columns), every launch with the layer's one launch shape, so that a row's sums run in
-        the same order whatever the batch (a batch of 8 decoded otherwise differed from its rows
-        decoded alone); wider ones (long prompts) dequantize the weight for cuBLAS."""
+        the same order whatever the batch; wider ones (long prompts) dequantize the weight for cuBLAS."""
         k, n = self.in_features, self.out_features
         rows = x.reshape(-1, k)
         if x.is_cuda and x.dtype == torch.bfloat16 and rows.shape[0] <= MMA_ROWS:
@@ -231,11 +230,10 @@ class Int4Linear(nn.Module):
             out = F.linear(rows, self._dense(cuda_int4.unpack(self.packed), x.dtype, scale, zero))
         return out.view(*x.shape[:-1], n)
 
-    def _dense(self, q: torch.Tensor, dtype: torch.dtype, scale=None, zero=None) -> torch.Tensor:
+    def _dense(self, q: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """The float weight [N, K] from the codes (any shape holding each row's K values in column
-        order), ``q * scale + zero`` per group (by default the layer's own scale and zero)."""
+        order), ``q * scale + zero`` per group."""
         n, k = self.out_features, self.in_features
-        scale, zero = (self.scale, self.zero) if scale is None else (scale, zero)
         q = q.reshape(n, k // self.group, self.group)
         return (q.to(dtype) * scale[..., None] + zero[..., None]).view(n, k)
 
