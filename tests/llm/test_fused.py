@@ -132,21 +132,28 @@ def test_folded_kernels_match_float64(mode, dtype, n, k, norm, gated, bias, resi
 
 
 @cuda
+@pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
-def test_folded_decode_matches_the_unfolded_one(family, monkeypatch):
-    """The int8 decode with norms, residuals and silu * up inside the GEMVs (llama: all of them;
-    qwen2: q/k/v bias in the epilogue; gemma: 1 + w norms, GELU kept outside) against the same
-    model with nothing folded: the same greedy tokens, logits within bf16 rounding."""
+def test_folded_decode_matches_the_unfolded_one(family, quant, monkeypatch):
+    """The int8 decode, and the int4 one in torchkiln's CUDA kernel, with norms, residuals and silu * up
+    inside the GEMVs (llama: all of them; qwen2: q/k/v bias in the epilogue; gemma: 1 + w norms, GELU
+    kept outside) against the same model with nothing folded: the same greedy tokens, logits within
+    bf16 rounding."""
+    from torchkiln.quantization.weight_only import Int4Linear
+
     model = build(family, seed=3, intermediate_size=128).cuda()
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    folded = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    folded = tk.llm.optimize(model, dtype=torch.bfloat16, quant=quant, max_seq_len=64)
     assert folded.kiln_report.folded == 2 and "inside the GEMVs: 2" in str(folded.kiln_report)
     layers = folded._kiln_runner.decoder.layers
     assert all(la.folded is not None for la in layers)
     assert all(la.folded.gated == (family != "gemma") and la.rope_kernel for la in layers)
+    if quant == "int4":
+        assert all(isinstance(la.qkv, Int4Linear) and la.qkv.mma for la in layers)
+        assert all(la.folded.qkv_config >= 0 and la.folded.up_config >= 0 for la in layers)
     monkeypatch.setattr(fused, "ON", False)
-    plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant=quant, max_seq_len=64)
     assert plain.kiln_report.folded is None
     a, b = folded.generate(ids, **kw), plain.generate(ids, **kw)
     assert torch.equal(a.sequences, b.sequences)

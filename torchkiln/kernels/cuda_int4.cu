@@ -42,7 +42,15 @@
 #include <atomic>
 #include <cstdint>
 
+// One library per group size (cuda_int4.py passes -DKILN_GROUP=64, 128 or 256; its op is
+// cuda_int4_mm_g<group>): a model uses one, and a build of one holds a third of the instances.
+#ifndef KILN_GROUP
+#define KILN_GROUP 128
+#endif
+
 namespace {
+
+constexpr int KILN_TG = KILN_GROUP / 16;  // 16-wide tiles per group
 
 __device__ __forceinline__ void mma(const uint32_t (&a)[4], uint32_t b0, uint32_t b1, float (&d)[4]) {
   asm volatile(
@@ -77,10 +85,22 @@ __host__ __device__ constexpr int slot_words() {  // uint4s
   return RB * (TG / 4) * 32 + RB * 4;
 }
 
-template <int TG, int RB, int ST>
+// The decode step's neighbours of a product, folded in (llm/fused.py says why). All null / 0: the plain product.
+struct Fold {
+  const float* norm;      // [K] float32: x (one row) RMS-normalised, then scaled by it (a NORM kernel)
+  float eps;
+  const uint16_t* bias;   // [N] bf16, added before the gate
+  const uint16_t* resid;  // [rows, N out] bf16, added last
+  int gated;              // rows [0, N/2) gate, [N/2, N) up: out = silu(gate) * up, N/2 wide (RB even)
+};
+
+// NB: 8-column blocks of x (up to 8 NB rows), each weight tile converted once for all of them;
+// NORM: one row, staged normalised (x * g, bf16) in shared memory by the block before its loop.
+template <int TG, int RB, int ST, int NB, bool NORM>
 __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, int M,
                                                const uint4* __restrict__ packed, const uint4* __restrict__ sz,
-                                               uint16_t* __restrict__ out, int N, int K) {
+                                               uint16_t* __restrict__ out, int N, int K, Fold fold) {
+  static_assert(!NORM || NB == 1, "the norm prologue takes one row");
   constexpr int Q = TG / 4;  // 64-column blocks per group: a uint4 of weights per lane per row block, two of x
   constexpr int SLOT = slot_words<TG, RB>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -88,14 +108,18 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
   const int groups = K / (16 * TG), per_warp = (groups + warps - 1) / warps;
   const int first = warp * per_warp, last = min(groups, first + per_warp);
   const int quads = K / 64, blocks16 = N / 16;
-  const uint4* xq = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(g, M - 1)) * K) + 2 * t;
+  // row block b of this block: gated, the first RB / 2 are gate rows and the rest the same rows' up
+  // rows, N / 2 further on; blocks past the end re-read the last (their outputs are not stored)
+  const int half = blocks16 / 2, own = fold.gated ? RB / 2 : RB;
+  auto row_block = [&](int b) {
+    const int i = static_cast<int>(blockIdx.x) * own + (b < own ? b : b - own);
+    return fold.gated ? (b < own ? min(i, half - 1) : half + min(i, half - 1)) : min(i, blocks16 - 1);
+  };
   const uint4* wq[RB];
 #pragma unroll
-  for (int b = 0; b < RB; ++b)
-    wq[b] = packed + static_cast<int64_t>(min(static_cast<int>(blockIdx.x) * RB + b, blocks16 - 1)) * quads * 32 + lane;
+  for (int b = 0; b < RB; ++b) wq[b] = packed + static_cast<int64_t>(row_block(b)) * quads * 32 + lane;
   // lanes 4b .. 4b + 3 copy row block b's 16 scale-zero words of a group (4 uint4)
-  const int sz_rb = min(static_cast<int>(blockIdx.x) * RB + min(lane >> 2, RB - 1), blocks16 - 1);
-  const uint4* szq = sz + static_cast<int64_t>(sz_rb) * groups * 4 + (lane & 3);
+  const uint4* szq = sz + static_cast<int64_t>(row_block(min(lane >> 2, RB - 1))) * groups * 4 + (lane & 3);
   constexpr uint32_t ONES = 0x3F803F80u;  // bf16 pair (1, 1)
   const uint32_t ones[4] = {ONES, ONES, ONES, ONES};
 
@@ -122,81 +146,162 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
     fill = fill == fill_hi ? fill_lo : fill + SLOT * 16;
   };
 
-  float acc[RB][4];
+  float acc[NB][RB][4];
 #pragma unroll
-  for (int b = 0; b < RB; ++b) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = 0.f;
+  for (int c = 0; c < NB; ++c)
+#pragma unroll
+    for (int b = 0; b < RB; ++b) acc[c][b][0] = acc[c][b][1] = acc[c][b][2] = acc[c][b][3] = 0.f;
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {  // one commit per slot, empty or not: wait_group counts commits
     if (first + i < last) issue();
     cp_async_commit();
   }
+  // x's rows for MMA column g of each column block (past the M rows, row M - 1 again: never stored)
+  const uint4* xq[NB];
+#pragma unroll
+  for (int c = 0; c < NB; ++c)
+    xq[c] = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(min(8 * c + g, M - 1)) * K) + 2 * t;
+  float rs = 1.f;  // NORM: the row's rsqrt(mean(x^2) + eps)
+  if constexpr (NORM) {
+    // x * g into shared memory past the rings, in x's own order, while the first groups' copies fly;
+    // the sum of squares of x over the block, in float32
+    uint4* xs_smem = smem + warps * ST * SLOT;
+    float* red = reinterpret_cast<float*>(xs_smem + K / 8);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(x) + i);
+      const float4 g0 = __ldg(reinterpret_cast<const float4*>(fold.norm) + 2 * i);
+      const float4 g1 = __ldg(reinterpret_cast<const float4*>(fold.norm) + 2 * i + 1);
+      const float gs[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float lo = __uint_as_float(w[e] << 16), hi = __uint_as_float(w[e] & 0xFFFF0000u);
+        ss = fmaf(lo, lo, fmaf(hi, hi, ss));
+        w[e] = static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo * gs[2 * e]))) |
+               (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi * gs[2 * e + 1]))) << 16);
+      }
+      xs_smem[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = 0.f;
+    for (int w = 0; w < warps; ++w) ss += red[w];
+    rs = rsqrtf(ss / K + fold.eps);
+    xq[0] = xs_smem + 2 * t;
+  }
   const uint4* cur = ring;
-  const uint4* xnext = xq + first * Q * 8;
+  const uint4* xnext[NB];
+#pragma unroll
+  for (int c = 0; c < NB; ++c) xnext[c] = xq[c] + first * Q * 8;
   for (int grp = first; grp < last; ++grp) {
     // the slot read last iteration takes group grp + ST - 1 (the __syncwarp below ordered the reads first)
     if (grp + ST - 1 < last) issue();
     cp_async_commit();
-    uint4 xv[2 * Q];
+    // one column block: the group's x in registers up front; several: a 64-column block's at a time
+    constexpr int XG = NB == 1 ? 2 * Q : 2;
+    uint4 xv[NB][XG];
+    auto load_x = [&](int q) {
 #pragma unroll
-    for (int i = 0; i < 2 * Q; ++i) xv[i] = __ldg(xnext + (i / 2) * 8 + i % 2);
-    xnext += Q * 8;
+      for (int c = 0; c < NB; ++c)
+#pragma unroll
+        for (int i = 0; i < XG; ++i) {
+          const uint4* p = xnext[c] + (q + i / 2) * 8 + i % 2;
+          if constexpr (NORM) xv[c][i] = *p;  // shared memory
+          else xv[c][i] = __ldg(p);
+        }
+    };
+    if constexpr (NB == 1) load_x(0);
+#pragma unroll
+    for (int c = 0; c < NB; ++c) xnext[c] += Q * 8;
     cp_async_wait<ST - 1>();  // this lane's copies of group grp have landed
     __syncwarp();             // and every lane's (the scales were copied by lanes 0 .. 4 RB - 1)
-    float d[RB][4], xs[4] = {0.f, 0.f, 0.f, 0.f};
+    float d[NB][RB][4], xs[NB][4];
 #pragma unroll
-    for (int b = 0; b < RB; ++b) d[b][0] = d[b][1] = d[b][2] = d[b][3] = 0.f;
+    for (int c = 0; c < NB; ++c) {
+      xs[c][0] = xs[c][1] = xs[c][2] = xs[c][3] = 0.f;
+#pragma unroll
+      for (int b = 0; b < RB; ++b) d[c][b][0] = d[c][b][1] = d[c][b][2] = d[c][b][3] = 0.f;
+    }
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
+      if constexpr (NB > 1) load_x(q);
       uint4 w[RB];
 #pragma unroll
       for (int b = 0; b < RB; ++b) w[b] = cur[(b * Q + q) * 32 + lane];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint4 xa = xv[2 * q + j / 2];
-        const uint32_t b0 = (j & 1) ? xa.z : xa.x, b1 = (j & 1) ? xa.w : xa.y;
-        mma(ones, b0, b1, xs);
+        uint32_t a[RB][4];
 #pragma unroll
         for (int b = 0; b < RB; ++b) {
           const uint32_t v = j == 0 ? w[b].x : j == 1 ? w[b].y : j == 2 ? w[b].z : w[b].w;
-          const uint32_t a[4] = {pair(v), pair(v >> 4), pair(v >> 8), pair(v >> 12)};
-          mma(a, b0, b1, d[b]);
+          a[b][0] = pair(v), a[b][1] = pair(v >> 4), a[b][2] = pair(v >> 8), a[b][3] = pair(v >> 12);
+        }
+#pragma unroll
+        for (int c = 0; c < NB; ++c) {
+          const uint4 xa = xv[c][(NB == 1 ? 2 * q : 0) + j / 2];
+          const uint32_t b0 = (j & 1) ? xa.z : xa.x, b1 = (j & 1) ? xa.w : xa.y;
+          mma(ones, b0, b1, xs[c]);
+#pragma unroll
+          for (int b = 0; b < RB; ++b) mma(a[b], b0, b1, d[c][b]);
         }
       }
     }
-    // xs[0], xs[1]: the group's sum of x for columns 2t, 2t+1 (every row of the ones product)
+    // xs[c][0], xs[c][1]: the group's sum of x for columns 2t, 2t+1 (every row of the ones product)
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(cur + RB * Q * 32);
 #pragma unroll
     for (int b = 0; b < RB; ++b) {
       const uint32_t p0 = scales[b * 16 + g], p1 = scales[b * 16 + g + 8];
       const float s0 = __uint_as_float(p0 << 16), z0 = __uint_as_float(p0 & 0xFFFF0000u);
       const float s1 = __uint_as_float(p1 << 16), z1 = __uint_as_float(p1 & 0xFFFF0000u);
-      acc[b][0] += s0 * fmaf(-128.f, xs[0], d[b][0]) + z0 * xs[0];
-      acc[b][1] += s0 * fmaf(-128.f, xs[1], d[b][1]) + z0 * xs[1];
-      acc[b][2] += s1 * fmaf(-128.f, xs[0], d[b][2]) + z1 * xs[0];
-      acc[b][3] += s1 * fmaf(-128.f, xs[1], d[b][3]) + z1 * xs[1];
+#pragma unroll
+      for (int c = 0; c < NB; ++c) {
+        acc[c][b][0] += s0 * fmaf(-128.f, xs[c][0], d[c][b][0]) + z0 * xs[c][0];
+        acc[c][b][1] += s0 * fmaf(-128.f, xs[c][1], d[c][b][1]) + z0 * xs[c][1];
+        acc[c][b][2] += s1 * fmaf(-128.f, xs[c][0], d[c][b][2]) + z1 * xs[c][0];
+        acc[c][b][3] += s1 * fmaf(-128.f, xs[c][1], d[c][b][3]) + z1 * xs[c][1];
+      }
     }
     cur = cur == ring + (ST - 1) * SLOT ? ring : cur + SLOT;
     __syncwarp();  // every lane is done with this slot before the next iteration refills it
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free: the warps' partial sums go through it, red[warp][row in block][column]
+  __syncthreads();  // the ring is free: the warps' partial sums go through it, red[warp][b][row][column]
+  constexpr int COLS = 8 * NB;
   float* red = reinterpret_cast<float*>(smem);
-  const int rb0 = blockIdx.x * RB;
 #pragma unroll
-  for (int b = 0; b < RB; ++b) {
-    float* r = red + (warp * RB * 16 + b * 16) * 8;
-    r[g * 8 + 2 * t] = acc[b][0];
-    r[g * 8 + 2 * t + 1] = acc[b][1];
-    r[(g + 8) * 8 + 2 * t] = acc[b][2];
-    r[(g + 8) * 8 + 2 * t + 1] = acc[b][3];
-  }
+  for (int b = 0; b < RB; ++b)
+#pragma unroll
+    for (int c = 0; c < NB; ++c) {
+      float* r = red + (warp * RB * 16 + b * 16) * COLS + 8 * c;
+      r[g * COLS + 2 * t] = acc[c][b][0];
+      r[g * COLS + 2 * t + 1] = acc[c][b][1];
+      r[(g + 8) * COLS + 2 * t] = acc[c][b][2];
+      r[(g + 8) * COLS + 2 * t + 1] = acc[c][b][3];
+    }
   __syncthreads();
-  for (int i = threadIdx.x; i < RB * 16 * 8; i += blockDim.x) {
-    const int row = i / 8, col = i % 8, n = rb0 * 16 + row;
-    if (col >= M || n >= N) continue;
+  auto sum = [&](int i) {  // row-in-block * COLS + column, summed over the warps, in warp order
     float v = 0.f;
-    for (int w = 0; w < warps; ++w) v += red[w * RB * 16 * 8 + i];
-    out[static_cast<int64_t>(col) * N + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    for (int w = 0; w < warps; ++w) v += red[w * RB * 16 * COLS + i];
+    return v * rs;
+  };
+  auto bf = [](uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); };
+  const int n_out = fold.gated ? N / 2 : N;
+  for (int i = threadIdx.x; i < own * 16 * COLS; i += blockDim.x) {
+    const int row = i / COLS, col = i % COLS, n = blockIdx.x * own * 16 + row;
+    if (col >= M || n >= n_out) continue;
+    float v = sum(i);
+    if (fold.gated) {  // the same row's up sum sits own * 16 rows further in the block
+      float u = sum(i + own * 16 * COLS);
+      if (fold.bias) v += bf(fold.bias[n]), u += bf(fold.bias[n + n_out]);
+      v = v / (1.f + __expf(-v)) * u;
+    } else if (fold.bias) {
+      v += bf(fold.bias[n]);
+    }
+    if (fold.resid) v += bf(fold.resid[static_cast<int64_t>(col) * n_out + n]);
+    out[static_cast<int64_t>(col) * n_out + n] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
 }
 
@@ -208,8 +313,9 @@ struct Config {
 constexpr Config CONFIGS[] = {{1, 8, 4}, {1, 16, 4}, {1, 8, 3}, {1, 16, 3}, {2, 8, 3}, {2, 4, 4}, {1, 8, 6}, {2, 16, 3}};
 constexpr int N_CONFIGS = sizeof(CONFIGS) / sizeof(CONFIGS[0]);
 
-int smem_bytes(int tg, Config cfg) {  // the ring, or the end's partial sums if larger
-  const int ring = cfg.w * cfg.st * (cfg.rb * (tg / 4) * 32 + cfg.rb * 4) * 16, red = cfg.w * cfg.rb * 16 * 8 * 4;
+int smem_bytes(int tg, Config cfg, int nb, int norm_k) {  // the ring (+ NORM's x), or the end's partial sums
+  const int ring = cfg.w * cfg.st * (cfg.rb * (tg / 4) * 32 + cfg.rb * 4) * 16 + (norm_k ? norm_k * 2 + 64 : 0);
+  const int red = cfg.w * cfg.rb * 16 * 8 * nb * 4;
   return ring > red ? ring : red;
 }
 
@@ -223,76 +329,113 @@ int smem_optin(int device) {  // the most dynamic shared memory a block may ask 
   return v;
 }
 
-template <int TG, int RB, int ST>
+template <int RB, int ST, int NB, bool NORM>
 void launch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& sz, at::Tensor& out, int N,
-            int K, int warps) {
-  const int bytes = smem_bytes(TG, {RB, warps, ST}), device = x.get_device();
+            int K, int warps, const Fold& fold) {
+  const int bytes = smem_bytes(KILN_TG, {RB, warps, ST}, NB, NORM ? K : 0), device = x.get_device();
   // past 48 KB a kernel's dynamic shared memory must be asked for, once per kernel and device
   static std::atomic<uint64_t> opted_in{0};
   const uint64_t bit = uint64_t{1} << (device & 63);
   if (bytes > 48 * 1024 && !(opted_in.load() & bit)) {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(int4_mm<TG, RB, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin(device)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(int4_mm<KILN_TG, RB, ST, NB, NORM>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin(device)));
     opted_in.fetch_or(bit);
   }
-  const int blocks = (N / 16 + RB - 1) / RB;
-  int4_mm<TG, RB, ST><<<blocks, warps * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
+  const int own = fold.gated ? RB / 2 : RB, blocks = ((fold.gated ? N / 32 : N / 16) + own - 1) / own;
+  int4_mm<KILN_TG, RB, ST, NB, NORM><<<blocks, warps * 32, bytes, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint16_t*>(x.data_ptr()), M, reinterpret_cast<const uint4*>(packed.data_ptr()),
-      reinterpret_cast<const uint4*>(sz.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), N, K);
+      reinterpret_cast<const uint4*>(sz.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), N, K, fold);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int TG>
+// The instances built (each one adds ~2 s to the cold build): every launch shape for the plain
+// product of up to 8 rows; 16 and 32 rows in one launch (prefill) at RB 1, ST 3 with the layer's
+// warps; the norm prologue at the shapes with 3-4 slots (the gated product needs RB 2).
 void dispatch(const at::Tensor& x, int M, const at::Tensor& packed, const at::Tensor& sz, at::Tensor& out, int N,
-              int K, Config cfg) {
-#define KILN_CASE(RB_, ST_) \
-  if (cfg.rb == RB_ && cfg.st == ST_) return launch<TG, RB_, ST_>(x, M, packed, sz, out, N, K, cfg.w);
-  KILN_CASE(1, 3)
-  KILN_CASE(1, 4)
-  KILN_CASE(1, 6)
-  KILN_CASE(2, 3)
-  KILN_CASE(2, 4)
+              int K, Config cfg, const Fold& fold) {
+  const int nb = (M + 7) / 8;
+#define KILN_CASE(RB_, ST_, NB_, NORM_) \
+  if (cfg.rb == RB_ && cfg.st == ST_ && nb <= NB_ && (NORM_ == (fold.norm != nullptr))) \
+    return launch<RB_, ST_, NB_, NORM_>(x, M, packed, sz, out, N, K, cfg.w, fold);
+  if (nb > 1) {
+    KILN_CASE(1, 3, 2, false)
+    KILN_CASE(1, 3, 4, false)
+  }
+  KILN_CASE(1, 3, 1, false)
+  KILN_CASE(1, 4, 1, false)
+  KILN_CASE(1, 6, 1, false)
+  KILN_CASE(2, 3, 1, false)
+  KILN_CASE(2, 4, 1, false)
+  KILN_CASE(1, 3, 1, true)
+  KILN_CASE(1, 4, 1, true)
+  KILN_CASE(2, 3, 1, true)
+  KILN_CASE(2, 4, 1, true)
 #undef KILN_CASE
-  TORCH_CHECK(false, "torchkiln::cuda_int4_mm: no kernel for this config");
+  TORCH_CHECK(false, "torchkiln::cuda_int4_mm: no kernel for this launch shape and fold");
 }
 
-at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero, int64_t group,
-                        int64_t config) {
+const uint16_t* bf16_ptr(const c10::optional<at::Tensor>& t) {
+  return t ? reinterpret_cast<const uint16_t*>(t->data_ptr()) : nullptr;
+}
+
+at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero, int64_t config,
+                        const c10::optional<at::Tensor>& norm, double eps, bool gated,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& resid) {
   // the Python wrapper (cuda_int4.py) checks operands and names what is wrong; these are a backstop
   TORCH_CHECK(x.is_cuda() && packed.is_cuda() && scale_zero.is_cuda(), "torchkiln::cuda_int4_mm: CUDA tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "torchkiln::cuda_int4_mm: x must be bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.dim() == 4 && packed.is_contiguous() &&
                   packed.size(2) == 32 && packed.size(3) == 4,
               "torchkiln::cuda_int4_mm: packed must be a contiguous int32 [N/16, K/64, 32, 4] tensor");
-  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 64;
-  TORCH_CHECK(x.is_contiguous() && x.size(-1) == K && x.numel() / K >= 1 && x.numel() / K <= 8,
-              "torchkiln::cuda_int4_mm: x must be 1-8 contiguous rows of K");
-  TORCH_CHECK(group == 64 || group == 128 || group == 256, "torchkiln::cuda_int4_mm: group must be 64, 128 or 256");
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 64, group = 16 * KILN_TG;
+  const int64_t max_rows = norm ? 1 : 32;
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) == K && x.numel() / K >= 1 && x.numel() / K <= max_rows,
+              "torchkiln::cuda_int4_mm: x must be 1-32 contiguous rows of K (one with a norm)");
+  TORCH_CHECK(K % group == 0, "torchkiln::cuda_int4_mm: K must be a multiple of the group");
   TORCH_CHECK(scale_zero.scalar_type() == at::kInt && scale_zero.is_contiguous() &&
                   scale_zero.numel() == N * (K / group),
               "torchkiln::cuda_int4_mm: scale_zero must be a contiguous int32 [N/16, K / group, 16] tensor");
   TORCH_CHECK(config >= -1 && config < N_CONFIGS, "torchkiln::cuda_int4_mm: config out of range");
+  TORCH_CHECK(!norm || (norm->is_cuda() && norm->scalar_type() == at::kFloat && norm->is_contiguous() &&
+                        norm->numel() == K),
+              "torchkiln::cuda_int4_mm: norm must be a contiguous float32 [K] CUDA tensor");
+  TORCH_CHECK(!gated || N % 32 == 0, "torchkiln::cuda_int4_mm: gated needs N a multiple of 32");
+  const int64_t n_out = gated ? N / 2 : N, M = x.numel() / K;
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
+              "torchkiln::cuda_int4_mm: bias must be a contiguous bf16 [N] tensor");
+  TORCH_CHECK(!resid || (resid->scalar_type() == at::kBFloat16 && resid->is_contiguous() &&
+                         resid->numel() == M * n_out),
+              "torchkiln::cuda_int4_mm: resid must be a contiguous bf16 tensor of the output's size");
   c10::cuda::CUDAGuard guard(x.device());
-  const int M = static_cast<int>(x.numel() / K);
   auto sizes = x.sizes().vec();
-  sizes.back() = N;
+  sizes.back() = n_out;
   at::Tensor out = at::empty(sizes, x.options());
-  // x is read 16 bytes a load: a view at another offset is copied
+  // x (and norm) are read 16 bytes a load: a view at another offset is copied
   const at::Tensor xa = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 ? x.clone() : x;
-  const int n = static_cast<int>(N), k = static_cast<int>(K), tg = static_cast<int>(group) / 16;
+  const at::Tensor na = norm && reinterpret_cast<uintptr_t>(norm->data_ptr()) % 16 ? norm->clone()
+                        : norm ? *norm : at::Tensor();
+  const Fold fold{norm ? na.data_ptr<float>() : nullptr, static_cast<float>(eps), bf16_ptr(bias), bf16_ptr(resid),
+                  gated ? 1 : 0};
+  const int n = static_cast<int>(N), k = static_cast<int>(K), nb = static_cast<int>((M + 7) / 8);
   Config cfg = CONFIGS[config >= 0 ? config : 0];
-  // a shape whose ring this GPU cannot hold (large groups, smaller GPUs) takes the first; tune() times what ran
-  if (smem_bytes(tg, cfg) > smem_optin(x.get_device())) cfg = CONFIGS[0];
-  TORCH_CHECK(smem_bytes(tg, cfg) <= smem_optin(x.get_device()), "torchkiln::cuda_int4_mm: not enough shared memory");
-  if (group == 64) dispatch<4>(xa, M, packed, scale_zero, out, n, k, cfg);
-  else if (group == 128) dispatch<8>(xa, M, packed, scale_zero, out, n, k, cfg);
-  else dispatch<16>(xa, M, packed, scale_zero, out, n, k, cfg);
+  if (gated && cfg.rb % 2) cfg = {2, cfg.w, 3};              // gate and up rows pair up in a block
+  if (nb > 1) cfg = {1, cfg.w, 3};                            // the wide instances; the layer's warps
+  if (norm && cfg.st > 4) cfg.st = 4;                         // the norm instances hold 3-4 slots
+  const int optin = smem_optin(x.get_device());
+  // a shape whose ring this GPU cannot hold (large groups, smaller GPUs) takes fewer warps; tune() times what ran
+  while (smem_bytes(KILN_TG, cfg, nb, norm ? k : 0) > optin && cfg.w > 4) cfg.w /= 2;
+  TORCH_CHECK(smem_bytes(KILN_TG, cfg, nb, norm ? k : 0) <= optin, "torchkiln::cuda_int4_mm: not enough shared memory");
+  dispatch(xa, static_cast<int>(M), packed, scale_zero, out, n, k, cfg, fold);
   return out;
 }
 
 }  // namespace
 
+#define KILN_STR2(x) #x
+#define KILN_STR(x) KILN_STR2(x)
+#define KILN_OP "cuda_int4_mm_g" KILN_STR(KILN_GROUP)
 TORCH_LIBRARY_FRAGMENT(torchkiln, m) {
-  m.def("cuda_int4_mm(Tensor x, Tensor packed, Tensor scale_zero, int group, int config=-1) -> Tensor");
+  m.def(KILN_OP "(Tensor x, Tensor packed, Tensor scale_zero, int config=-1, Tensor? norm=None, float eps=0.0, "
+        "bool gated=False, Tensor? bias=None, Tensor? resid=None) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(torchkiln, CUDA, m) { m.impl("cuda_int4_mm", cuda_int4_mm); }
+TORCH_LIBRARY_IMPL(torchkiln, CUDA, m) { m.impl(KILN_OP, cuda_int4_mm); }

@@ -1,9 +1,10 @@
-"""``torchkiln::cuda_int4_mm``: products of 1-8 rows with int4 weights on CUDA (bf16), on the
-tensor cores, in a tile layout of its own (``pack``), an op written in CUDA C++ (cuda_int4.cu says
-why) and built here on first use.
+"""``torchkiln::cuda_int4_mm_g<group>``: products of 1-32 rows with int4 weights on CUDA (bf16),
+on the tensor cores, in a tile layout of its own (``pack``), an op written in CUDA C++ (cuda_int4.cu
+says why) and built here on first use, one library per group size. For the decode step it also
+takes the product's neighbours (``mm``'s norm, gated, bias and resid; llm/fused.py).
 
 The build needs CUDA's compiler (nvcc: ``$CUDA_HOME/bin/nvcc``, on PATH, or /usr/local/cuda's) and
-torch's headers; it takes ~30 s (32 s on the H200 machine), once per machine, torch version and GPU
+torch's headers; it takes ~25-30 s per group size used, once per machine, torch version and GPU
 architecture (the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a
 compile error), ``load()`` says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
 """
@@ -20,8 +21,11 @@ from . import build
 
 SOURCE = Path(__file__).with_name("cuda_int4.cu")
 GROUPS = (64, 128, 256)
-MAX_ROWS = 8  # rows of x per call: the MMA's 8 columns
+MAX_ROWS = 32  # rows of x per call: up to 4 blocks of the MMA's 8 columns, each tile converted once
 CONFIGS = 8  # launch shapes the op offers (cuda_int4.cu CONFIGS); -1 is the first
+# the launch shapes the folded forms are built at (cuda_int4.cu dispatch: the norm prologue at 3-4
+# ring slots; gated pairs gate and up row blocks, RB 2)
+FOLD_CONFIGS = {None: tuple(range(CONFIGS)), "norm": (0, 1, 2, 3, 4, 5, 7), "gated": (4, 5, 7)}
 _lock = threading.Lock()
 
 
@@ -33,45 +37,52 @@ def _why_not_here(device: torch.device) -> str | None:  # a CUDA device (load() 
     return None
 
 
-def _flags(device: torch.device) -> list[str]:
+def _flags(device: torch.device, group: int) -> list[str]:
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"{major}{minor}"
     # torch's own extension builds define these: c10's Half/BFloat16 and CUDA's operators would clash
-    return [f"-gencode=arch=compute_{arch},code=sm_{arch}", "-D__CUDA_NO_HALF_OPERATORS__",
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-DKILN_GROUP={group}", "-D__CUDA_NO_HALF_OPERATORS__",
             "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
-def load(device: torch.device | None = None) -> str | None:
-    """Register ``torch.ops.torchkiln.cuda_int4_mm`` for ``device``'s architecture (default: the
-    current CUDA device), building it if needed. None when it is ready; otherwise why not, in words."""
+def load(device: torch.device | None = None, group: int = 128) -> str | None:
+    """Register ``op(group)`` for ``device``'s architecture (default: the current CUDA device),
+    building it if needed. None when it is ready; otherwise why not, in words."""
     if not torch.cuda.is_available() or torch.version.cuda is None:
         return "needs a CUDA build of torch and a CUDA device"
+    if group not in GROUPS:
+        return f"groups of {group} inputs: it takes {', '.join(map(str, GROUPS))}"
     device = torch.device(device) if device is not None else torch.device("cuda")
-    return _load(torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index))
+    return _load(torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index), group)
 
 
 @functools.cache
-def _load(device: torch.device) -> str | None:
+def _load(device: torch.device, group: int) -> str | None:
     why = _why_not_here(device)
     if why:
         return why
     with _lock:
         try:
-            torch.ops.load_library(str(build.build(SOURCE, _flags(device), ["-lc10", "-lc10_cuda", "-ltorch_cpu",
-                                                                             "-ltorch_cuda"])))
+            torch.ops.load_library(str(build.build(SOURCE, _flags(device, group), ["-lc10", "-lc10_cuda",
+                                                                                    "-ltorch_cpu", "-ltorch_cuda"])))
         except (OSError, RuntimeError) as e:
             return f"build failed: {e}"
-        _register_fake()
+        _register_fake(group)
     return None
 
 
-@functools.cache  # once per process: a second registration raises (two devices load one library)
-def _register_fake() -> None:
-    torch.library.register_fake("torchkiln::cuda_int4_mm")(_fake)
+def op(group: int):
+    """The op for weights quantized in groups of ``group`` inputs (``load`` it first)."""
+    return getattr(torch.ops.torchkiln, f"cuda_int4_mm_g{group}")
 
 
-def _fake(x, packed, scale_zero, group, config=-1):
-    return x.new_empty(*x.shape[:-1], 16 * packed.shape[0])
+@functools.cache  # once per process and group: a second registration raises (two devices load one library)
+def _register_fake(group: int) -> None:
+    torch.library.register_fake(f"torchkiln::cuda_int4_mm_g{group}")(_fake)
+
+
+def _fake(x, packed, scale_zero, config=-1, norm=None, eps=0.0, gated=False, bias=None, resid=None):
+    return x.new_empty(*x.shape[:-1], 16 * packed.shape[0] // (2 if gated else 1))
 
 
 # Which nibble of a tile's word each lane's values take: the mma.sync m16n8k16 A operand gives
@@ -150,14 +161,36 @@ def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0 and group in GROUPS and k % group == 0
 
 
-def mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int = -1) -> torch.Tensor:
-    """``x @ w.T`` for 1-8 rows of x (``load()`` first), w = q * scale + zero per group of ``group``
-    inputs, q in ``pack``'s layout, scale and zero in ``pack_scales``'. Bad operands raise ValueError
-    here, naming what is wrong."""
-    why = _bad_operands(x, packed, scale_zero, group, config)
+def mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int = -1,
+       norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False, bias: torch.Tensor | None = None,
+       resid: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` for 1-32 rows of x (``load()`` first), w = q * scale + zero per group of ``group``
+    inputs, q in ``pack``'s layout, scale and zero in ``pack_scales``'. The decode step's neighbours,
+    each optional (one row of x with ``norm``): ``norm`` (float32 [K]) and ``eps``: x RMS-normalised
+    and scaled by ``norm`` first; ``gated``: w's first half of rows are gates and the second the
+    same outputs' up rows, and the result is silu(gate) * up (half as wide); ``bias`` ([N], before
+    the gate) and ``resid`` (the result's shape) added. Bad operands raise ValueError here, naming
+    what is wrong."""
+    why = _bad_operands(x, packed, scale_zero, group, config) or _bad_fold(x, packed, norm, gated, bias, resid)
     if why:
         raise ValueError(f"torchkiln::cuda_int4_mm: {why}")
-    return torch.ops.torchkiln.cuda_int4_mm(x, packed, scale_zero, group, config)
+    return op(group)(x, packed, scale_zero, config, norm, eps, gated, bias, resid)
+
+
+def _bad_fold(x, packed, norm, gated, bias, resid) -> str | None:
+    n, k = 16 * packed.shape[0], 64 * packed.shape[1]
+    rows = x.numel() // k
+    if norm is not None and (rows != 1 or norm.dtype != torch.float32 or tuple(norm.shape) != (k,)):
+        return f"norm takes one row of x and a float32 [{k}] scale, got {rows} rows and {norm.dtype} {tuple(norm.shape)}"
+    if gated and (n % 32 or rows > 8):
+        return f"gated needs a multiple of 32 rows of weights ({n}) and at most 8 rows of x ({rows})"
+    out = (rows, n // 2 if gated else n)
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n):
+        return f"bias must be bf16 with {n} values, got {bias.dtype} {tuple(bias.shape)}"
+    if resid is not None and (resid.dtype != torch.bfloat16 or resid.numel() != out[0] * out[1]
+                              or not resid.is_contiguous()):
+        return f"resid must be a contiguous bf16 tensor of the result's {out[0] * out[1]} values, got {tuple(resid.shape)}"
+    return None
 
 
 def _bad_operands(x, packed, scale_zero, group, config) -> str | None:
@@ -182,29 +215,33 @@ def _bad_operands(x, packed, scale_zero, group, config) -> str | None:
     return None
 
 
-_TUNED: dict = {}  # (N, K, group, device) -> the fastest config
+_TUNED: dict = {}  # (N, K, group, device, fold) -> the fastest config
 
 
-def tune(n: int, k: int, group: int, device: torch.device) -> int:
+def tune(n: int, k: int, group: int, device: torch.device, fold: str | None = None) -> int:
     """The fastest launch shape for one-row calls on an N x K weight (timed once per shape and
-    device, on zero weights: the time depends on the shape only). Copies of the weight totalling
-    >= 128 MB are cycled so that it is not read from L2. Not inside a CUDA-graph capture."""
-    key = (n, k, group, device)
+    device, on zero weights: the time depends on the shape only), among FOLD_CONFIGS[fold]: None the
+    plain product, "norm" with the norm prologue, "gated" with it and the gated epilogue. Copies of
+    the weight totalling >= 128 MB are cycled so that it is not read from L2. Not inside a
+    CUDA-graph capture."""
+    key = (n, k, group, device, fold)
     if key not in _TUNED:
         copies = max(2, -(-(128 << 20) // (n * k // 2)))
         packed = [torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32, device=device) for _ in range(copies)]
         one = torch.ones(n, k // group, dtype=torch.bfloat16, device=device)
         scale_zero = pack_scales(one, one)
         x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
+        extra = () if fold is None else (torch.ones(k, device=device), 1e-6, fold == "gated")
+        call = op(group)
         times = {}
-        for config in range(CONFIGS):  # each inside a CUDA graph: eager calls would time the launches
+        for config in FOLD_CONFIGS[fold]:  # each inside a CUDA graph: eager calls would time the launches
             for p in packed:  # warm-up
-                torch.ops.torchkiln.cuda_int4_mm(x, p, scale_zero, group, config)
+                call(x, p, scale_zero, config, *extra)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for p in packed:
-                    torch.ops.torchkiln.cuda_int4_mm(x, p, scale_zero, group, config)
+                    call(x, p, scale_zero, config, *extra)
             graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

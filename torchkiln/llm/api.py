@@ -66,7 +66,7 @@ class LLMReport:
                                          # (quantization/gemv.py's float GEMV), with the times
     attention: str | None = None         # the decode step's one-query attention: "kernel" (CUDA,
                                          # llm/decode_attention.py), "matmul" (CPU) or "sdpa"
-    folded: int | None = None            # int8 CUDA decode: layers whose norms, residual adds and silu * up
+    folded: int | None = None            # int8/int4 CUDA decode: layers whose norms, residual adds and silu * up
                                          # run inside the GEMVs (llm/fused.py)
     rope: int | None = None              # CUDA one-row decode: layers whose RoPE and KV-cache writes run in
                                          # llm/qkv_rope.py's kernels (in the int8 q/k/v GEMV where folded)
@@ -93,7 +93,8 @@ class LLMReport:
             if self.int4_kernel:
                 lines.append(f"  int4 kernel: {self.int4_kernel}")
             if self.folded is not None:
-                lines.append(f"  int8 decode layers with norms, residuals and silu * up inside the GEMVs: {self.folded}")
+                lines.append(f"  quantized decode layers with norms, residuals and silu * up inside the GEMVs: "
+                             f"{self.folded}")
             if self.rope is not None:
                 lines.append(f"  decode layers with RoPE and the cache writes in one kernel: {self.rope}")
         for f in self.fallbacks:
@@ -294,7 +295,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
             report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
-        if target.type == "cuda" and quant == "int8" and fused.ON:
+        if target.type == "cuda" and fused.ON:
             report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner

@@ -1,4 +1,5 @@
-"""The int8 CUDA decode step with each projection's neighbours folded into its GEMV.
+"""The quantized CUDA decode step (int8, and int4 in torchkiln's CUDA kernel) with each
+projection's neighbours folded into its GEMV.
 
 In the unfused step every layer also runs an add + RMSNorm kernel before q/k/v, another before
 gate/up, and silu(gate) * up before down: one-CTA reductions and tiny pointwise kernels, each a
@@ -8,7 +9,11 @@ sum of squares rides along, the scalar rsqrt is applied to the dot products at t
 residual add and silu * up as epilogues (gate row n and up row n in the same program). So a layer
 is q/k/v (+ norm, and RoPE and the cache writes where qkv_rope.py serves), the attention kernels,
 o (+ residual), gate/up (+ norm, silu * up), down (+ residual).
-Measured on the H200: RESULTS.md, "The neighbours folded in" (twenty-first session).
+Measured on the H200: RESULTS.md, "The neighbours folded in" (twenty-first session). torchkiln's
+int4 CUDA kernel (kernels/cuda_int4.cu) takes the same neighbours: the norm as a prologue that
+stages x * g in shared memory (its loop reads x per 64 columns, a multiply there would sit in the
+loop), the gate and up rows of the same outputs in one block (RB 2), the residual on the store
+(RESULTS.md, forty-second session).
 
 Which norms and activations qualify is read from what the modules compute, not their class
 names: a norm qualifies when it equals x * rsqrt(mean(x^2) + eps) * g on a probe for a g made
@@ -25,11 +30,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cuda_int4
 from ..quantization import gemv
-from ..quantization.weight_only import Int8Linear
+from ..quantization.weight_only import Int4Linear, Int8Linear
 from . import qkv_rope
 
-ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
+ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8"/"int4" on CUDA); False for side-by-sides
+
+
+def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, eps: float = 0.0,
+            gated: bool = False, resid: torch.Tensor | None = None, config: int = -1) -> torch.Tensor:
+    """One row of x through a kernel-served Int8Linear or (mma layout) Int4Linear with the
+    neighbours folded in (gemv.int8_fused's and cuda_int4.mm's arguments); ``config``: the int4
+    kernel's launch shape (the folded forms are tuned apart: Folded)."""
+    if isinstance(lin, Int8Linear):
+        return gemv.int8_fused(x, lin, norm, eps, gated, resid)
+    return cuda_int4.op(lin.group)(x.reshape(-1, lin.in_features).contiguous(), lin.packed, lin.scale_zero,
+                                   lin.config if config < 0 else config, norm, eps, gated, lin.bias,
+                                   None if resid is None else resid.reshape(-1, resid.shape[-1])).view(
+        *x.shape[:-1], -1)
+
+
+def foldable(lin: nn.Module) -> bool:
+    """Is ``lin`` one of the kernels that take the neighbours?"""
+    if isinstance(lin, Int8Linear):
+        return lin.kernel and lin.in_features % 64 == 0
+    return isinstance(lin, Int4Linear) and lin.mma
 
 
 def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
@@ -64,30 +90,34 @@ def is_silu(act: nn.Module) -> bool:
 
 
 class Folded(nn.Module):
-    """One layer's folded norms (buffers, so they follow the decoder's device)."""
+    """One layer's folded norms (buffers, so they follow the decoder's device); for int4, the folded
+    q/k/v and gate/up kernels' own launch shapes (tuned in _warm)."""
 
     def __init__(self, g1: torch.Tensor, eps1: float, g2: torch.Tensor, eps2: float, gated: bool):
         super().__init__()
         self.register_buffer("g1", g1, persistent=False)
         self.register_buffer("g2", g2, persistent=False)
         self.eps1, self.eps2, self.gated = eps1, eps2, gated
+        self.qkv_config = self.up_config = -1
 
     def forward(self, layer: nn.Module, x, cos, sin, slots, mask, table=None):
-        if layer.rope_kernel and table is not None:  # RoPE and the cache writes in the q/k/v GEMV too
+        if layer.rope_kernel and table is not None and isinstance(layer.qkv, Int8Linear):
+            # RoPE and the cache writes in the q/k/v GEMV too
             q = qkv_rope.qkv_rope(x, layer.qkv, self.g1, self.eps1, *table, slots, layer.k_cache, layer.v_cache,
                                   layer.spec.n_heads)
             a = layer.look(q, mask)
         else:
-            a = layer.attend(gemv.int8_fused(x, layer.qkv, self.g1, self.eps1), cos, sin, slots, mask, table)
-        x = gemv.int8_fused(a, layer.out, resid=x)
+            a = layer.attend(project(x, layer.qkv, self.g1, self.eps1, config=self.qkv_config), cos, sin, slots,
+                             mask, table)
+        x = project(a, layer.out, resid=x)
         if self.gated:
-            h = gemv.int8_fused(x, layer.up, self.g2, self.eps2, gated=True)
+            h = project(x, layer.up, self.g2, self.eps2, gated=True, config=self.up_config)
         elif layer.spec.mlp == "gated":
-            gate, up = gemv.int8_fused(x, layer.up, self.g2, self.eps2).chunk(2, dim=-1)
+            gate, up = project(x, layer.up, self.g2, self.eps2, config=self.up_config).chunk(2, dim=-1)
             h = layer.act(gate) * up
         else:
-            h = layer.act(gemv.int8_fused(x, layer.up, self.g2, self.eps2))
-        return gemv.int8_fused(h, layer.down, resid=x)
+            h = layer.act(project(x, layer.up, self.g2, self.eps2, config=self.up_config))
+        return project(h, layer.down, resid=x)
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -95,19 +125,20 @@ def one_row(x: torch.Tensor) -> bool:
 
 
 def fold(decoder: nn.Module) -> int:
-    """Fold the neighbours of every layer whose projections are all CUDA int8 kernels and whose
-    norms (and activation, to fold silu * up) qualify; the output head too, where it is one.
-    Returns the number of layers folded."""
+    """Fold the neighbours of every layer whose projections are all CUDA int8 kernels, or all int4
+    ones in torchkiln's CUDA kernel, and whose norms (and activation, to fold silu * up) qualify;
+    the output head (int8 in both modes) too, where it is one. Returns the number of layers folded."""
     spec, done = decoder.spec, 0
     for layer in decoder.layers:
         projs = [layer.qkv, layer.out, layer.up, layer.down]
-        if spec.parallel_residual or not all(isinstance(p, Int8Linear) and p.kernel and p.in_features % 64 == 0
-                                             for p in projs):
+        if spec.parallel_residual or not all(foldable(p) for p in projs) \
+                or len({type(p) for p in projs}) > 1:
             continue
         n1, n2 = rms_form(layer.norm1, spec.hidden), rms_form(layer.norm2, spec.hidden)
         if n1 is None or n2 is None:
             continue
-        gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act)
+        gated = spec.mlp == "gated" and layer.up.bias is None and is_silu(layer.act) \
+            and (isinstance(layer.up, Int8Linear) or layer.up.out_features % 32 == 0)
         layer.folded = Folded(*n1, *n2, gated)
         done += 1
     head = decoder.head
@@ -119,13 +150,20 @@ def fold(decoder: nn.Module) -> int:
 
 
 def _warm(decoder: nn.Module) -> None:
-    """Tune each folded kernel (its own autotune key) once, outside any CUDA-graph capture, as
-    gemv.warm does for the plain ones."""
+    """Tune each folded kernel (its own autotune key; the int4 kernel's launch shapes) once, outside
+    any CUDA-graph capture, as gemv.warm does for the plain ones."""
     dtype = decoder.norm.weight.dtype
     with torch.no_grad():
         for layer in decoder.layers:
             f = layer.folded
             if f is None:
+                continue
+            if isinstance(layer.qkv, Int4Linear):
+                dev = f.g1.device
+                f.qkv_config = cuda_int4.tune(layer.qkv.out_features, layer.qkv.in_features, layer.qkv.group, dev,
+                                              "norm")
+                f.up_config = cuda_int4.tune(layer.up.out_features, layer.up.in_features, layer.up.group, dev,
+                                             "gated" if f.gated else "norm")
                 continue
             x = torch.zeros(1, layer.qkv.in_features, device=f.g1.device, dtype=dtype)
             if layer.rope_kernel:  # tuning runs the kernel once per config: scratch caches, not the layer's

@@ -116,7 +116,7 @@ def int4_kernels(decoder: nn.Module) -> tuple[str | None, str | None]:
     rest = [m for m in layers if not m.mma]
     if INT4_IMPL not in ("auto", "cuda") or not layers[0].packed.is_cuda or not rest:
         return what, None
-    why = cuda_int4.load(layers[0].packed.device)
+    why = cuda_int4.load(rest[0].packed.device, rest[0].group)
     if why is None:
         dtype = (rest[0].scale_zero if rest[0].tinygemm else rest[0].scale).dtype
         why = f"it takes bf16 only, not {dtype}" if dtype != torch.bfloat16 else \

@@ -34,7 +34,7 @@ TINYGEMM_TILES = 8  # tinygemm's inner K tiles: the input width must be a multip
 # it was 0.8-0.85x the dense form at 32 rows, 1.08-1.25x at 48, 1.6-5.9x at 64-256
 # (benchmarks/diag_rows.py; RESULTS.md, "int4 and int8 at batch > 1").
 TINYGEMM_ROWS = 40
-# calls of up to this many rows run torchkiln's CUDA int4 kernel (8 rows a launch) in the mma layout;
+# calls of up to this many rows run torchkiln's CUDA int4 kernel (32 rows a launch) in the mma layout;
 # wider ones dequantize for cuBLAS
 MMA_ROWS = 64
 KERNEL_SCHEMES = ("int8-weight-only", "int4-weight-only")  # what backend "kernels" serves
@@ -194,7 +194,7 @@ class Int4Linear(nn.Module):
         """Can torchkiln's CUDA int4 kernel hold this layer (bf16 on CUDA, its shape; built here)?"""
         w = linear.weight
         return (w.is_cuda and cuda_int4.fits(w.shape[0], w.shape[1], group, w.dtype)
-                and cuda_int4.load(w.device) is None)
+                and cuda_int4.load(w.device, group) is None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mma:
@@ -215,14 +215,14 @@ class Int4Linear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def _mma(self, x: torch.Tensor) -> torch.Tensor:
-        """The mma layout: calls of up to MMA_ROWS rows through the kernel, 8 rows a launch (its
-        MMA's columns), every launch with the layer's one launch shape, so that a row's sums run in
-        the same order whatever the batch; wider ones (long prompts) dequantize the weight for cuBLAS."""
+        """The mma layout: calls of up to MMA_ROWS rows through the kernel, 32 rows a launch, every
+        launch with the layer's warps (its launch shape's), so that a row's sums run in the same order
+        whatever the batch; wider ones (long prompts) dequantize the weight for cuBLAS."""
         k, n = self.in_features, self.out_features
         rows = x.reshape(-1, k)
         if x.is_cuda and x.dtype == torch.bfloat16 and rows.shape[0] <= MMA_ROWS:
-            parts = [torch.ops.torchkiln.cuda_int4_mm(rows[i:i + cuda_int4.MAX_ROWS].contiguous(), self.packed,
-                                                      self.scale_zero, self.group, self.config)
+            mm = cuda_int4.op(self.group)
+            parts = [mm(rows[i:i + cuda_int4.MAX_ROWS].contiguous(), self.packed, self.scale_zero, self.config)
                      for i in range(0, rows.shape[0], cuda_int4.MAX_ROWS)]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
