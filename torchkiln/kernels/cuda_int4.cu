@@ -214,8 +214,6 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
         }
     };
     if constexpr (NB == 1) load_x(0);
-#pragma unroll
-    for (int c = 0; c < NB; ++c) xnext[c] += Q * 8;
     cp_async_wait<ST - 1>();  // this lane's copies of group grp have landed
     __syncwarp();             // and every lane's (the scales were copied by lanes 0 .. 4 RB - 1)
     float d[NB][RB][4], xs[NB][4];
@@ -264,6 +262,8 @@ __global__ void __launch_bounds__(512) int4_mm(const uint16_t* __restrict__ x, i
         acc[c][b][3] += s1 * fmaf(-128.f, xs[c][1], d[c][b][3]) + z1 * xs[c][1];
       }
     }
+#pragma unroll
+    for (int c = 0; c < NB; ++c) xnext[c] += Q * 8;  // after the loads (several column blocks load per q)
     cur = cur == ring + (ST - 1) * SLOT ? ring : cur + SLOT;
     __syncwarp();  // every lane is done with this slot before the next iteration refills it
   }
