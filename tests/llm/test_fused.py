@@ -156,9 +156,18 @@ def test_folded_decode_matches_the_unfolded_one(family, quant, monkeypatch):
     plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant=quant, max_seq_len=64)
     assert plain.kiln_report.folded is None
     a, b = folded.generate(ids, **kw), plain.generate(ids, **kw)
-    assert torch.equal(a.sequences, b.sequences)
-    for la, lb in zip(a.logits, b.logits, strict=True):
+    if quant == "int8":
+        assert torch.equal(a.sequences, b.sequences)
+    # int4: the same tokens up to a near-tie (qwen2's seventh new token parted on the H200, 20 against
+    # 71, after a run of 71s), where the folded step's choice is within 2% of the unfolded one's top logit
+    differ = (a.sequences[0, ids.shape[1]:] != b.sequences[0, ids.shape[1]:]).nonzero()
+    upto = int(differ[0]) if len(differ) else len(b.logits)
+    assert upto >= 4, (a.sequences, b.sequences)
+    for la, lb in zip(a.logits[:upto + 1], b.logits[:upto + 1], strict=True):
         assert float((la - lb).norm() / lb.norm()) < 2e-2
+    if upto < len(b.logits):
+        lb = b.logits[upto][0]
+        assert float(lb.max() - lb[a.sequences[0, ids.shape[1] + upto]]) <= 0.02 * float(lb.abs().max())
 
 
 def _rotate(t, cos, sin):
