@@ -161,6 +161,27 @@ def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0 and group in GROUPS and k % group == 0
 
 
+@functools.cache  # defined once per process
+def folded_op():
+    """``mm``'s folded forms as a Python custom op around ``op(group)``, for compiled decode steps.
+    Called directly in one, the C++ op hung Llama-3-8B's decode-step compile on the H200 (inductor
+    stringified the step's IR, each op printing its inputs: the folded ops feed each other with no
+    kernel between, and each output feeds two of them, so the text doubled per op); the int8 folded
+    ops, Python custom ops like this one, compile in seconds (RESULTS.md, forty-second session)."""
+
+    @torch.library.custom_op("torchkiln::cuda_int4_folded", mutates_args=())
+    def folded(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int,
+               norm: torch.Tensor | None, eps: float, gated: bool, bias: torch.Tensor | None,
+               resid: torch.Tensor | None) -> torch.Tensor:
+        return op(group)(x, packed, scale_zero, config, norm, eps, gated, bias, resid)
+
+    @folded.register_fake
+    def _(x, packed, scale_zero, group, config, norm, eps, gated, bias, resid):
+        return x.new_empty(*x.shape[:-1], 16 * packed.shape[0] // (2 if gated else 1))
+
+    return folded
+
+
 def mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int = -1,
        norm: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False, bias: torch.Tensor | None = None,
        resid: torch.Tensor | None = None) -> torch.Tensor:

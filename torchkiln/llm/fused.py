@@ -45,9 +45,9 @@ def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, e
     kernel's launch shape (the folded forms are tuned apart: Folded)."""
     if isinstance(lin, Int8Linear):
         return gemv.int8_fused(x, lin, norm, eps, gated, resid)
-    return cuda_int4.op(lin.group)(x.reshape(-1, lin.in_features).contiguous(), lin.packed, lin.scale_zero,
-                                   lin.config if config < 0 else config, norm, eps, gated, lin.bias,
-                                   None if resid is None else resid.reshape(-1, resid.shape[-1])).view(
+    return cuda_int4.folded_op()(x.reshape(-1, lin.in_features).contiguous(), lin.packed, lin.scale_zero,
+                                 lin.group, lin.config if config < 0 else config, norm, eps, gated, lin.bias,
+                                 None if resid is None else resid.reshape(-1, resid.shape[-1])).view(
         *x.shape[:-1], -1)
 
 
