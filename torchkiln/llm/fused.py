@@ -45,10 +45,12 @@ def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, e
     kernel's launch shape (the folded forms are tuned apart: Folded)."""
     if isinstance(lin, Int8Linear):
         return gemv.int8_fused(x, lin, norm, eps, gated, resid)
-    return cuda_int4.folded_op()(x.reshape(-1, lin.in_features).contiguous(), lin.packed, lin.scale_zero,
-                                 lin.group, lin.config if config < 0 else config, norm, eps, gated, lin.bias,
-                                 None if resid is None else resid.reshape(-1, resid.shape[-1])).view(
-        *x.shape[:-1], -1)
+    # the op by name: dynamo does not trace into folded_op()'s cache (fold() defined it)
+    rows = x.reshape(-1, lin.in_features).contiguous()
+    resid = None if resid is None else resid.reshape(-1, resid.shape[-1])
+    out = torch.ops.torchkiln.cuda_int4_folded(rows, lin.packed, lin.scale_zero, lin.group,
+                                               lin.config if config < 0 else config, norm, eps, gated, lin.bias, resid)
+    return out.view(*x.shape[:-1], -1)
 
 
 def foldable(lin: nn.Module) -> bool:
@@ -159,6 +161,7 @@ def _warm(decoder: nn.Module) -> None:
             if f is None:
                 continue
             if isinstance(layer.qkv, Int4Linear):
+                cuda_int4.folded_op()
                 dev = f.g1.device
                 f.qkv_config = cuda_int4.tune(layer.qkv.out_features, layer.qkv.in_features, layer.qkv.group, dev,
                                               "norm")
