@@ -163,11 +163,8 @@ def fits(n: int, k: int, group: int, dtype: torch.dtype) -> bool:
 
 @functools.cache  # defined once per process
 def folded_op():
-    """``mm``'s folded forms as a Python custom op around ``op(group)``, for compiled decode steps.
-    Called directly in one, the C++ op hung Llama-3-8B's decode-step compile on the H200 (inductor
-    stringified the step's IR, each op printing its inputs: the folded ops feed each other with no
-    kernel between, and each output feeds two of them, so the text doubled per op); the int8 folded
-    ops, Python custom ops like this one, compile in seconds (RESULTS.md, forty-second session)."""
+    """``mm``'s folded forms as a Python custom op around ``op(group)``, for compiled decode steps
+    (llm/fused.py), as the int8 folded ops are: x and resid of any shape holding their rows."""
 
     @torch.library.custom_op("torchkiln::cuda_int4_folded", mutates_args=())
     def folded(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group: int, config: int,

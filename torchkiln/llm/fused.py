@@ -45,12 +45,12 @@ def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, e
     kernel's launch shape (the folded forms are tuned apart: Folded)."""
     if isinstance(lin, Int8Linear):
         return gemv.int8_fused(x, lin, norm, eps, gated, resid)
-    # the op by name: dynamo does not trace into folded_op()'s cache (fold() defined it)
-    rows = x.reshape(-1, lin.in_features).contiguous()
-    resid = None if resid is None else resid.reshape(-1, resid.shape[-1])
-    out = torch.ops.torchkiln.cuda_int4_folded(rows, lin.packed, lin.scale_zero, lin.group,
-                                               lin.config if config < 0 else config, norm, eps, gated, lin.bias, resid)
-    return out.view(*x.shape[:-1], -1)
+    # The op by name (dynamo does not trace into folded_op()'s cache; fold() defined it), on x and the
+    # residual as they are, as the int8 ops take them: with a reshape around each call, Llama-3-8B's
+    # compile never finished on the H200 (inductor stringified the step's IR, each op printing its
+    # inputs, and here each output feeds two ops; RESULTS.md, forty-second session).
+    return torch.ops.torchkiln.cuda_int4_folded(x, lin.packed, lin.scale_zero, lin.group,
+                                                lin.config if config < 0 else config, norm, eps, gated, lin.bias, resid)
 
 
 def foldable(lin: nn.Module) -> bool:
