@@ -50,14 +50,16 @@ def main():
     # int4-tinygemm / -torchao / -triton: force one int4 kernel; a "-bytes" suffix: the per-byte
     # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels; "-expr": int8 prefill through
     # the dequantizing expression instead of the int8 matmul kernel (gemv.WIDE_ROWS); "-unfolded":
-    # int8 decode without the norms, residual adds and silu * up inside the GEMVs (llm/fused.py)
+    # int8 decode without the norms, residual adds and silu * up inside the GEMVs (llm/fused.py);
+    # "int4-folded": int4 with them inside torchkiln's CUDA kernel (fused.INT4, off by default)
     wide_rows = gemv.WIDE_ROWS
     for q in [q for q in a.quant.split(",") if q]:
-        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr", "unfolded")]
+        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr", "unfolded", "folded")]
         llm_quant.INT4_IMPL = impl[0] if impl else "auto"
         fused.ON = not q.endswith("-unfolded")
+        fused.INT4 = q.endswith("-folded")
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
-    llm_quant.INT4_IMPL, fused.ON = "auto", True
+    llm_quant.INT4_IMPL, fused.ON, fused.INT4 = "auto", True, False
 
     def one_row(name):  # set before every call: a graph (re)captured then takes that kernel
         gemv.ONE_ROW = "bytes" if name.endswith("-bytes") else "auto"

@@ -35,7 +35,13 @@ from ..quantization import gemv
 from ..quantization.weight_only import Int4Linear, Int8Linear
 from . import qkv_rope
 
-ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8"/"int4" on CUDA); False for side-by-sides
+ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
+# Fold int4 layers in torchkiln's CUDA kernel too. Off: Llama-3-8B's decode-step compile did not end
+# on the H200 with them folded (inductor stringifying the step's IR, each of these ops printing its
+# inputs, recursively; small models compile). With that stringification cut short in a diagnostic
+# run it compiled in 15 s and decoded 462.6 tok/s against 436.8 unfolded (RESULTS.md, forty-second
+# session). True folds them (tests, benchmarks/diag_llm_options.py's "int4-folded").
+INT4 = False
 
 
 def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -57,7 +63,7 @@ def foldable(lin: nn.Module) -> bool:
     """Is ``lin`` one of the kernels that take the neighbours?"""
     if isinstance(lin, Int8Linear):
         return lin.kernel and lin.in_features % 64 == 0
-    return isinstance(lin, Int4Linear) and lin.mma
+    return INT4 and isinstance(lin, Int4Linear) and lin.mma
 
 
 def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:
