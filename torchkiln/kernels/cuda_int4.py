@@ -45,6 +45,14 @@ def _flags(device: torch.device, group: int) -> list[str]:
             "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why no library could be built for ``device`` (no CUDA, no nvcc, an old GPU), without building
+    one; None if one could."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "needs a CUDA build of torch and a CUDA device"
+    return _why_not_here(torch.device(device))
+
+
 def load(device: torch.device | None = None, group: int = 128) -> str | None:
     """Register ``op(group)`` for ``device``'s architecture (default: the current CUDA device),
     building it if needed. None when it is ready; otherwise why not, in words."""

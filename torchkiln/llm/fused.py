@@ -37,9 +37,11 @@ from . import qkv_rope
 
 ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
 # Fold int4 layers in torchkiln's CUDA kernel too. Off: Llama-3-8B's decode-step compile did not end
-# on the H200 with them folded (inductor stringifying the step's IR, each of these ops printing its
-# inputs, recursively; small models compile). With that stringification cut short in a diagnostic
-# run it compiled in 15 s and decoded 462.6 tok/s against 436.8 unfolded (RESULTS.md, forty-second
+# on the H200 with them folded (torch 2.11). An op's lowering raised inside inductor (caught, as
+# compiling went on), and the exception's message stringified the op's arguments (exc.operator_str):
+# each of these ops prints its inputs, and each output feeds two of them, so the text doubled per op
+# over 32 layers (small models compile). With that stringification cut short in a diagnostic run it
+# compiled in 11.6 s and decoded 469.0 tok/s against 436.8 unfolded (RESULTS.md, forty-second
 # session). True folds them (tests, benchmarks/diag_llm_options.py's "int4-folded").
 INT4 = False
 
@@ -51,10 +53,8 @@ def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, e
     kernel's launch shape (the folded forms are tuned apart: Folded)."""
     if isinstance(lin, Int8Linear):
         return gemv.int8_fused(x, lin, norm, eps, gated, resid)
-    # The op by name (dynamo does not trace into folded_op()'s cache; fold() defined it), on x and the
-    # residual as they are, as the int8 ops take them: with a reshape around each call, Llama-3-8B's
-    # compile never finished on the H200 (inductor stringified the step's IR, each op printing its
-    # inputs, and here each output feeds two ops; RESULTS.md, forty-second session).
+    # the op by name (dynamo does not trace into folded_op()'s cache; fold() defined it), on x and the
+    # residual as they are, as the int8 ops take them
     return torch.ops.torchkiln.cuda_int4_folded(x, lin.packed, lin.scale_zero, lin.group,
                                                 lin.config if config < 0 else config, norm, eps, gated, lin.bias, resid)
 

@@ -116,7 +116,9 @@ def int4_kernels(decoder: nn.Module) -> tuple[str | None, str | None]:
     rest = [m for m in layers if not m.mma]
     if INT4_IMPL not in ("auto", "cuda") or not layers[0].packed.is_cuda or not rest:
         return what, None
-    why = cuda_int4.load(rest[0].packed.device, rest[0].group)
+    dev, group = rest[0].packed.device, rest[0].group
+    # a group the kernel takes: its library's build (tried by fits_mma, cached); else build nothing
+    why = cuda_int4.load(dev, group) if group in cuda_int4.GROUPS else cuda_int4.unavailable(dev)
     if why is None:
         dtype = (rest[0].scale_zero if rest[0].tinygemm else rest[0].scale).dtype
         why = f"it takes bf16 only, not {dtype}" if dtype != torch.bfloat16 else \
