@@ -1,9 +1,10 @@
-// torchkiln::cuda_int4_mm(x, packed, scale_zero, group, config=-1): up to 8 rows of x (bf16, [M, K])
-// times int4 weights in this kernel's tile layout (cuda_int4.py `pack`): int32 [N/16, K/64, 32, 4],
-// one word per lane of a warp per 16 x 16 tile of the weight, in the order the tensor cores' A
-// operand wants it; scale_zero (`pack_scales`) int32 [N/16, K/G, 16], per 16 rows and group the
-// rows' bf16 (scale, zero) pairs, w = q * scale + zero per group of G inputs. Out: [M, N] bf16,
-// accumulated in float32.
+// torchkiln::cuda_int4_mm_g<group>(x, packed, scale_zero, config=-1, norm, eps, gated, bias, resid):
+// up to 32 rows of x (bf16, [M, K]) times int4 weights in this kernel's tile layout (cuda_int4.py `pack`):
+// int32 [N/16, K/64, 32, 4], one word per lane of a warp per 16 x 16 tile of the weight, in the order the
+// tensor cores' A operand wants it; scale_zero (`pack_scales`) int32 [N/16, K/G, 16], per 16 rows and
+// group the rows' bf16 (scale, zero) pairs, w = q * scale + zero per group of G inputs. Out: [M, N] bf16,
+// accumulated in float32. The decode step's neighbours, optional (struct Fold): an RMSNorm of x first
+// (one row), silu(gate) * up of the weight's two halves, bias, a residual.
 //
 // Why hand-written (built by cuda_int4.py on first use, where nvcc is present): a batch-1 int4
 // product only has to stream half a byte per weight, but torch's own kernel (tinygemm,
