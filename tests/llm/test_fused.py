@@ -150,6 +150,8 @@ def test_folded_decode_matches_the_unfolded_one(family, quant, monkeypatch):
     layers = folded._kiln_runner.decoder.layers
     assert all(la.folded is not None for la in layers)
     assert all(la.folded.gated == (family != "gemma") and la.rope_kernel for la in layers)
+    # the final norm folds into the int8 head after int8 layers only (fused.fold says why)
+    assert (folded._kiln_runner.decoder.head_g is not None) == (quant == "int8")
     if quant == "int4":
         assert all(isinstance(la.qkv, Int4Linear) and la.qkv.mma for la in layers)
         assert all(la.folded.qkv_config >= 0 and la.folded.up_config >= 0 for la in layers)

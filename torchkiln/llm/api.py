@@ -295,7 +295,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
             report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
-        if target.type == "cuda" and fused.ON:
+        if target.type == "cuda" and fused.ON and (quant == "int8" or fused.INT4):
             report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner

@@ -36,13 +36,11 @@ from ..quantization.weight_only import Int4Linear, Int8Linear
 from . import qkv_rope
 
 ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
-# Fold int4 layers in torchkiln's CUDA kernel too. Off: Llama-3-8B's decode-step compile did not end
-# on the H200 with them folded (torch 2.11). An op's lowering raised inside inductor (caught, as
-# compiling went on), and the exception's message stringified the op's arguments (exc.operator_str):
-# each of these ops prints its inputs, and each output feeds two of them, so the text doubled per op
-# over 32 layers (small models compile). With that stringification cut short in a diagnostic run it
-# compiled in 11.6 s and decoded 469.0 tok/s against 436.8 unfolded (RESULTS.md, forty-second
-# session). True folds them (tests, benchmarks/diag_llm_options.py's "int4-folded").
+# Fold int4 layers in torchkiln's CUDA kernel too. Off until measured on the H200 as it now is: with
+# the head's norm folded as well, Llama-3-8B's decode-step compile did not end on torch 2.11 (fold()
+# says why and no longer folds that norm after int4 layers; not re-run: device time ran out). With
+# the compile unblocked by a diagnostic it decoded 469.0 tok/s against 436.8 unfolded (RESULTS.md,
+# forty-second session). True folds them (tests, benchmarks/diag_llm_options.py's "int4-folded").
 INT4 = False
 
 
@@ -150,7 +148,14 @@ def fold(decoder: nn.Module) -> int:
         layer.folded = Folded(*n1, *n2, gated)
         done += 1
     head = decoder.head
-    final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel else None
+    # Not after int4-folded layers: the folded head's op (int8_gemv_fused) would then first appear in the
+    # step's graph at its end, and torch 2.11's inductor formats the arguments of an op it first meets
+    # (its implicit fallback's log line, built even when not logged): the last layer's output, printed
+    # with its inputs, recursively, through 4 x 32 folded ops each feeding two: a compile that did not
+    # end (RESULTS.md, forty-second session; torch 2.13 formats it lazily). The norm stays inductor's.
+    int4_layers = any(layer.folded is not None and isinstance(layer.qkv, Int4Linear) for layer in decoder.layers)
+    final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel \
+        and not int4_layers else None
     if final is not None:
         decoder.head_g, decoder.head_eps = final
     _warm(decoder)
