@@ -8,6 +8,7 @@ import time
 import warnings
 from dataclasses import replace
 
+import needs
 import pytest
 import torch
 from memory import live_tensor_bytes
@@ -815,6 +816,7 @@ def test_a_float32_request_has_one_eager_candidate():
     assert names.count("eager") == 1 and not any("as given" in n for n in names)
 
 
+@needs.bf16_cpu
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
 def test_a_bf16_model_is_served_in_bf16_and_guarded_against_float32(dtype):
     """A model whose weights are already bf16 (a checkpoint loaded in bf16): dtype None or float32 keeps

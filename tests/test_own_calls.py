@@ -5,6 +5,7 @@ References are the same model run eagerly (a deep copy, or the original itself),
 import copy
 import warnings
 
+import needs
 import pytest
 import torch
 from torch import nn
@@ -122,6 +123,7 @@ def test_a_hook_registered_after_optimize_runs_and_shapes_the_output(served, mon
     assert routed == ["hooks"] and any("hooks" in f.step for f in fast.kiln_report.fallbacks)
 
 
+@needs.bf16_cpu
 def test_a_hook_there_at_optimize_and_removed_after_stops_firing():
     """A cast copy made at optimize carries the hooks then present; once the user removes one, it
     must not fire from the copy."""
@@ -314,6 +316,7 @@ def autocast_bf16(net):
     return run
 
 
+@needs.bf16_cpu
 @pytest.mark.parametrize("auto_ms,auto_status,expect", [(1.0, "passed", "autocast"), (20.0, "passed", "float32"),
                                                         (1.0, "failed", "float32")],
                          ids=["autocast-faster", "autocast-slower", "autocast-failed-guard"])
@@ -446,6 +449,7 @@ def test_the_backward_rerun_leaves_the_models_state_as_eager_would():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
 
 
+@needs.bf16_cpu
 def test_calls_under_autocast_at_the_optimized_dtype_are_served_with_it_off_inside(monkeypatch):
     """IPEX's bf16 inference recipe (optimize at bf16, call under torch.cpu.amp.autocast()): the served
     form runs with the caller's autocast off (it computes at that precision already), so torch.compile

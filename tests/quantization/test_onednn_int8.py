@@ -5,7 +5,7 @@ back, graphs it cannot lower say why, and optimize() times it as a candidate."""
 import threading
 import warnings
 
-import needs  # noqa: E402
+import needs
 import pytest
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ def quantized(model=None, shape=(2, 3, 32, 32)):
         return model, tk.quantize(model, "int8-static", calib_data=calib, progress=False), calib
 
 
+@needs.int8_dot_cpu
 def test_lowers_every_conv_pattern_and_keeps_the_pt2e_numbers():
     model, q, calib = quantized()
     served = OneDNNInt8(q)
