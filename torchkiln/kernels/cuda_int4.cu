@@ -400,8 +400,9 @@ at::Tensor cuda_int4_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(!norm || (norm->is_cuda() && norm->scalar_type() == at::kFloat && norm->is_contiguous() &&
                         norm->numel() == K),
               "torchkiln::cuda_int4_mm: norm must be a contiguous float32 [K] CUDA tensor");
-  TORCH_CHECK(!gated || N % 32 == 0, "torchkiln::cuda_int4_mm: gated needs N a multiple of 32");
   const int64_t n_out = gated ? N / 2 : N, M = x.numel() / K;
+  // the gated epilogue pairs row blocks (RB 2), which the wide (RB 1) instances do not
+  TORCH_CHECK(!gated || (N % 32 == 0 && M <= 8), "torchkiln::cuda_int4_mm: gated needs N a multiple of 32, 1-8 rows");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
               "torchkiln::cuda_int4_mm: bias must be a contiguous bf16 [N] tensor");
   TORCH_CHECK(!resid || (resid->scalar_type() == at::kBFloat16 && resid->is_contiguous() &&

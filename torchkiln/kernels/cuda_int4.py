@@ -5,8 +5,9 @@ takes the product's neighbours (``mm``'s norm, gated, bias and resid; llm/fused.
 
 The build needs CUDA's compiler (nvcc: ``$CUDA_HOME/bin/nvcc``, on PATH, or /usr/local/cuda's) and
 torch's headers; one build per group size used (11 kernel instances; one library of all three sizes,
-15 instances, took 32 s on the H200 machine), once per machine, torch version and GPU architecture (the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a
-compile error), ``load()`` says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
+15 instances, took 32 s on the H200 machine), once per machine, torch version and GPU architecture
+(the library is cached: ``kernels/build.py``). Where it cannot be built (no nvcc, a compile error),
+``load()`` says why and callers keep torch's own kernel (tinygemm) or the Triton ones.
 """
 
 from __future__ import annotations
@@ -45,19 +46,23 @@ def _flags(device: torch.device, group: int) -> list[str]:
             "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
+def _no_cuda() -> str | None:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return "needs a CUDA build of torch and a CUDA device"
+    return None
+
+
 def unavailable(device: torch.device) -> str | None:
     """Why no library could be built for ``device`` (no CUDA, no nvcc, an old GPU), without building
     one; None if one could."""
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return "needs a CUDA build of torch and a CUDA device"
-    return _why_not_here(torch.device(device))
+    return _no_cuda() or _why_not_here(torch.device(device))
 
 
 def load(device: torch.device | None = None, group: int = 128) -> str | None:
     """Register ``op(group)`` for ``device``'s architecture (default: the current CUDA device),
     building it if needed. None when it is ready; otherwise why not, in words."""
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return "needs a CUDA build of torch and a CUDA device"
+    if _no_cuda():
+        return _no_cuda()
     if group not in GROUPS:
         return f"groups of {group} inputs: it takes {', '.join(map(str, GROUPS))}"
     device = torch.device(device) if device is not None else torch.device("cuda")
@@ -182,7 +187,7 @@ def folded_op():
 
     @folded.register_fake
     def _(x, packed, scale_zero, group, config, norm, eps, gated, bias, resid):
-        return x.new_empty(*x.shape[:-1], 16 * packed.shape[0] // (2 if gated else 1))
+        return _fake(x, packed, scale_zero, config, norm, eps, gated, bias, resid)
 
     return folded
 

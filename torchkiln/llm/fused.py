@@ -58,10 +58,11 @@ def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, e
 
 
 def foldable(lin: nn.Module) -> bool:
-    """Is ``lin`` one of the kernels that take the neighbours?"""
+    """Is ``lin`` one of the kernels that take the neighbours? (Whether int4 layers are folded at all
+    is tk.llm's choice: INT4.)"""
     if isinstance(lin, Int8Linear):
         return lin.kernel and lin.in_features % 64 == 0
-    return INT4 and isinstance(lin, Int4Linear) and lin.mma
+    return isinstance(lin, Int4Linear) and lin.mma
 
 
 def rms_form(norm: nn.Module, hidden: int) -> tuple[torch.Tensor, float] | None:

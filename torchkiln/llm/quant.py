@@ -15,7 +15,7 @@ from ..quantization.weight_only import Int4Linear, Int8Linear, cpu_kernels
 from .model import describe, kernel_why, pick, time_forms
 
 # int4 kernel. "auto" (or "cuda"): on CUDA in bf16, torchkiln's own CUDA kernel (kernels/cuda_int4.cu,
-# tensor cores, Int4Linear's mma layout) where nvcc builds it (~32 s, once per machine): on the H200 at
+# tensor cores, Int4Linear's mma layout) where nvcc builds it (once per machine and group size): on the H200 at
 # Llama-3-8B's shapes 1.2-1.9x tinygemm per shape, and int4 decode 437 tok/s against tinygemm's 327
 # (benchmarks/RESULTS.md, forty-first session). Elsewhere, or where it cannot be built (the report says
 # why), tinygemm (torch's own int4 kernel, aten._weight_int4pack_mm) called on plain buffers: 1.44-1.81x
