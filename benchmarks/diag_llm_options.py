@@ -50,16 +50,16 @@ def main():
     # int4-tinygemm / -torchao / -triton: force one int4 kernel; a "-bytes" suffix: the per-byte
     # one-row GEMVs (gemv.ONE_ROW) instead of the served word kernels; "-expr": int8 prefill through
     # the dequantizing expression instead of the int8 matmul kernel (gemv.WIDE_ROWS); "-unfolded":
-    # int8 decode without the norms, residual adds and silu * up inside the GEMVs (llm/fused.py);
-    # "int4-folded": int4 with them inside torchkiln's CUDA kernel (fused.INT4, off by default)
+    # decode without the norms, residual adds and silu * up inside the int8 GEMVs / torchkiln's int4
+    # kernel (llm/fused.py); "-head8": int4 layers under an int8 output head (llm/quant.py INT4_HEAD)
     wide_rows = gemv.WIDE_ROWS
     for q in [q for q in a.quant.split(",") if q]:
-        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr", "unfolded", "folded")]
+        impl = [p for p in q.split("-")[1:] if p not in ("bytes", "expr", "unfolded", "head8")]
         llm_quant.INT4_IMPL = impl[0] if impl else "auto"
-        fused.ON = not q.endswith("-unfolded")
-        fused.INT4 = q.endswith("-folded")
+        fused.ON = "-unfolded" not in q
+        llm_quant.INT4_HEAD = "-head8" not in q
         fasts[q] = tk.llm.optimize(model, dtype=torch.bfloat16, quant=q.split("-")[0])
-    llm_quant.INT4_IMPL, fused.ON, fused.INT4 = "auto", True, False
+    llm_quant.INT4_IMPL, fused.ON, llm_quant.INT4_HEAD = "auto", True, True
 
     def one_row(name):  # set before every call: a graph (re)captured then takes that kernel
         gemv.ONE_ROW = "bytes" if name.endswith("-bytes") else "auto"

@@ -139,20 +139,22 @@ def test_folded_decode_matches_the_unfolded_one(family, quant, monkeypatch):
     inside the GEMVs (llama: all of them; qwen2: q/k/v bias in the epilogue; gemma: 1 + w norms, GELU
     kept outside) against the same model with nothing folded: the same greedy tokens, logits within
     bf16 rounding."""
-    from torchkiln.quantization.weight_only import Int4Linear
+    from torchkiln.quantization.weight_only import Int4Linear, Int8Linear
 
     model = build(family, seed=3, intermediate_size=128).cuda()
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
     kw = dict(max_new_tokens=12, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    monkeypatch.setattr(fused, "INT4", True)  # off by default (fused.INT4 says why)
     folded = tk.llm.optimize(model, dtype=torch.bfloat16, quant=quant, max_seq_len=64)
     assert folded.kiln_report.folded == 2 and "inside the GEMVs: 2" in str(folded.kiln_report)
     layers = folded._kiln_runner.decoder.layers
     assert all(la.folded is not None for la in layers)
     assert all(la.folded.gated == (family != "gemma") and la.rope_kernel for la in layers)
-    # the final norm folds into the int8 head after int8 layers only (fused.fold says why)
-    assert (folded._kiln_runner.decoder.head_g is not None) == (quant == "int8")
+    # the final norm folds into the head, int8 after int8 layers, int4 after int4 ones (quant.INT4_HEAD)
+    head = folded._kiln_runner.decoder.head
+    assert folded._kiln_runner.decoder.head_g is not None and folded.kiln_report.quant_head == quant
+    assert isinstance(head, Int4Linear if quant == "int4" else Int8Linear)
     if quant == "int4":
+        assert head.mma and folded._kiln_runner.decoder.head_config >= 0
         assert all(isinstance(la.qkv, Int4Linear) and la.qkv.mma for la in layers)
         assert all(la.folded.qkv_config >= 0 and la.folded.up_config >= 0 for la in layers)
     monkeypatch.setattr(fused, "ON", False)
@@ -176,6 +178,28 @@ def test_folded_decode_matches_the_unfolded_one(family, quant, monkeypatch):
 def _rotate(t, cos, sin):
     a, b = t.chunk(2, dim=-1)
     return t * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+@cuda
+def test_an_int8_head_after_int4_layers_keeps_its_norm_unfolded(monkeypatch):
+    """quant.INT4_HEAD off: the head goes int8 and the final norm stays the compiler's (fused.fold says
+    why); its logits over three steps (two of them one-row decode steps, where folding happens) within
+    bf16 rounding of the same build with nothing folded."""
+    from torchkiln.llm import quant as llm_quant
+    from torchkiln.quantization.weight_only import Int8Linear
+
+    model = build("llama", seed=3, intermediate_size=128).cuda()
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
+    kw = dict(max_new_tokens=3, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    monkeypatch.setattr(llm_quant, "INT4_HEAD", False)
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", max_seq_len=64)
+    d = fast._kiln_runner.decoder
+    assert isinstance(d.head, Int8Linear) and d.head_g is None and fast.kiln_report.quant_head == "int8"
+    assert fast.kiln_report.folded == 2
+    monkeypatch.setattr(fused, "ON", False)
+    plain = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", max_seq_len=64)
+    a, b = torch.cat(fast.generate(ids, **kw).logits), torch.cat(plain.generate(ids, **kw).logits)
+    assert a.shape == (3, 96) and float((a - b).norm() / b.norm()) < 2e-2
 
 
 @cuda

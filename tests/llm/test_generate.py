@@ -1038,3 +1038,26 @@ def test_time_forms_keeps_each_forms_fastest_round():
     times = time_forms({"bursty": bursty, "plain": lambda x: x + 1}, [(torch.ones(4),)], rounds=5)
     assert calls["n"] == 6
     assert times["bursty"] < 10_000, times  # us: the calls without a burst, not the 50,000 us ones
+
+
+def _argmax_cases(device):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5000, generator=g)
+    x[0, 4097], x[0, 10] = 9.0, 9.0           # a tie across chunks: the first wins
+    x[1, 300], x[1, 301] = 7.0, 7.0           # a tie inside one chunk
+    x[2, 4999] = 50.0                          # the best in the padded last chunk
+    nan = torch.randn(2, 4608, generator=g)
+    nan[0, 900], nan[0, 4000] = float("nan"), 80.0  # argmax takes a NaN as the best
+    nan[1] = -float("inf")                     # nothing above -inf: index 0, not a padding slot
+    neg = -x.abs() - 1                         # every score below a padding of 0: only -inf padding is right
+    return [t.to(device) for t in (x, nan, neg, torch.randn(4, 128256, generator=g))]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_two_pass_argmax_equals_argmax(device):
+    from torchkiln.llm import sampling
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for scores in _argmax_cases(device):
+        assert torch.equal(sampling.argmax_split(scores), scores.argmax(dim=-1)), scores.shape

@@ -25,7 +25,7 @@ from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
 from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projections
-from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, int4_kernels
+from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, head_kind, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
 from .spec import Unsupported, read
@@ -54,6 +54,7 @@ class LLMReport:
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
     quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
     quant_rounding: str | None = None    # "gptq" (calib_data given), "nearest", or "gptq (N of M ... nearest ...)"
+    quant_head: str | None = None        # the output head's weights: "int8", "int4" (llm/quant.py INT4_HEAD), "float"
     setup_s: float = 0.0
     compile_s: list = dataclasses.field(default_factory=list)
     cache: dict | None = None
@@ -90,6 +91,9 @@ class LLMReport:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
             if self.cuda_gemv:
                 lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
+            if self.quant:
+                lines.append(f"  quantized Linears: {self.quant_layers} (output head: {self.quant_head}); "
+                             f"logits cosine against the float decoder: {self.quant_cosine}")
             if self.int4_kernel:
                 lines.append(f"  int4 kernel: {self.int4_kernel}")
             if self.folded is not None:
@@ -288,6 +292,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
                 f"gptq ({len(short)} of {len(codes)} projections nearest: fewer calibration tokens than inputs)"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
         report.int4_kernel, why = int4_kernels(decoder)
+        report.quant_head = head_kind(decoder.head)
         if why:
             report.fallbacks.append(why)
             warn_once("llm-int4-kernel", f"torchkiln.llm: {why}", owner=work)
@@ -295,6 +300,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
             report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
+            report.quant_head = head_kind(decoder.head)
         if target.type == "cuda" and fused.ON and (quant == "int8" or fused.INT4):
             report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)

@@ -36,12 +36,10 @@ from ..quantization.weight_only import Int4Linear, Int8Linear
 from . import qkv_rope
 
 ON = True  # fold where it qualifies (tk.llm.optimize, quant="int8" on CUDA); False for side-by-sides
-# Fold int4 layers in torchkiln's CUDA kernel too. Off until measured on the H200 as it now is: with
-# the head's norm folded as well, Llama-3-8B's decode-step compile did not end on torch 2.11 (fold()
-# says why and no longer folds that norm after int4 layers; not re-run: device time ran out). With
-# the compile unblocked by a diagnostic it decoded 469.0 tok/s against 436.8 unfolded (RESULTS.md,
-# forty-second session). True folds them (tests, benchmarks/diag_llm_options.py's "int4-folded").
-INT4 = False
+# Fold int4 layers in torchkiln's CUDA kernel too: Llama-3-8B int4 decoded 471.7 tok/s against 421.9
+# unfolded, its first generate 11.8 s against 31.7 s (H200, RESULTS.md, forty-third session). False: the
+# unfolded step, for side-by-sides (benchmarks/diag_llm_options.py's "int4-unfolded").
+INT4 = True
 
 
 def project(x: torch.Tensor, lin: nn.Module, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -134,7 +132,8 @@ def one_row(x: torch.Tensor) -> bool:
 def fold(decoder: nn.Module) -> int:
     """Fold the neighbours of every layer whose projections are all CUDA int8 kernels, or all int4
     ones in torchkiln's CUDA kernel, and whose norms (and activation, to fold silu * up) qualify;
-    the output head (int8 in both modes) too, where it is one. Returns the number of layers folded."""
+    the output head's final norm too, where the head is one of those kernels (below). Returns the number
+    of layers folded."""
     spec, done = decoder.spec, 0
     for layer in decoder.layers:
         projs = [layer.qkv, layer.out, layer.up, layer.down]
@@ -149,14 +148,16 @@ def fold(decoder: nn.Module) -> int:
         layer.folded = Folded(*n1, *n2, gated)
         done += 1
     head = decoder.head
-    # Not after int4-folded layers: the folded head's op (int8_gemv_fused) would then first appear in the
-    # step's graph at its end, and torch 2.11's inductor formats the arguments of an op it first meets
-    # (its implicit fallback's log line, built even when not logged): the last layer's output, printed
-    # with its inputs, recursively, through 4 x 32 folded ops each feeding two: a compile that did not
-    # end (RESULTS.md, forty-second session; torch 2.13 formats it lazily). The norm stays inductor's.
+    # The head's op must already be in the layers: an op first met at the step's end (an int8 head's
+    # int8_gemv_fused after int4-folded layers, or an int4 head's after unfolded ones) made torch 2.11's
+    # inductor format its arguments (its implicit fallback's log line, built even when not logged): the
+    # last layer's output, printed with its inputs, recursively, through 4 x 32 folded ops each feeding
+    # two: a compile that did not end (RESULTS.md, forty-second session; torch 2.13 formats it lazily).
+    # Elsewhere the norm stays inductor's.
     int4_layers = any(layer.folded is not None and isinstance(layer.qkv, Int4Linear) for layer in decoder.layers)
-    final = rms_form(decoder.norm, spec.hidden) if isinstance(head, Int8Linear) and head.kernel \
-        and not int4_layers else None
+    same = (isinstance(head, Int8Linear) and head.kernel and not int4_layers) or \
+        (isinstance(head, Int4Linear) and head.mma and int4_layers)
+    final = rms_form(decoder.norm, spec.hidden) if same else None
     if final is not None:
         decoder.head_g, decoder.head_eps = final
     _warm(decoder)
@@ -194,6 +195,10 @@ def _warm(decoder: nn.Module) -> None:
             h = gemv.int8_fused(x, layer.up, f.g2, f.eps2, gated=f.gated)
             gemv.int8_fused(h if f.gated else torch.zeros(1, layer.down.in_features, device=x.device, dtype=dtype),
                             layer.down, resid=x)
-        if decoder.head_g is not None:
-            x = torch.zeros(1, decoder.head.in_features, device=decoder.head_g.device, dtype=dtype)
-            gemv.int8_fused(x, decoder.head, decoder.head_g, decoder.head_eps)
+        head = decoder.head
+        if decoder.head_g is not None and isinstance(head, Int4Linear):
+            decoder.head_config = cuda_int4.tune(head.out_features, head.in_features, head.group,
+                                                 decoder.head_g.device, "norm")
+        elif decoder.head_g is not None:
+            x = torch.zeros(1, head.in_features, device=decoder.head_g.device, dtype=dtype)
+            gemv.int8_fused(x, head, decoder.head_g, decoder.head_eps)

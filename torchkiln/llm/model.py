@@ -431,11 +431,12 @@ class FastDecoder(nn.Module):
         self.head = linear_of(parts.head.weight, parts.head.bias)
         self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
         self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
-        # head_g: the final norm's float32 scale, folded into an int8 head (fused.fold)
+        # head_g: the final norm's float32 scale, folded into a quantized head (fused.fold); head_config:
+        # an int4 head's folded launch shape
         for name in ("key_ok", "slot_ids", "cos", "sin", "embed_mult", "head_g"):
             self.register_buffer(name, None, persistent=False)
         self.batch = self.seq = 0
-        self.head_eps = 0.0
+        self.head_eps, self.head_config = 0.0, -1
 
     def setup_cache(self, batch: int, seq: int) -> None:
         """(Re)allocate the KV cache and the tables that depend on its length."""
@@ -487,5 +488,5 @@ class FastDecoder(nn.Module):
             return self.head(self.norm(x)).float()
         x = x[:, -1:] if last is None else x.index_select(1, last)
         if self.head_g is not None and fused.one_row(x):
-            return gemv.int8_fused(x, self.head, self.head_g, self.head_eps)[:, 0].float()
+            return fused.project(x, self.head, self.head_g, self.head_eps, config=self.head_config)[:, 0].float()
         return self.head(self.norm(x))[:, 0].float()

@@ -26,6 +26,11 @@ from .model import describe, kernel_why, pick, time_forms
 # force one.
 INT4_IMPL = "auto"
 INT4_GROUPS = (128, 64, 32)  # the first that divides a layer's input width
+# quant="int4": the output head in int4 too, where torchkiln's CUDA kernel serves it (as gpt-fast's int4
+# and torchao's quantize_ over every Linear do); elsewhere the head goes int8. It is the largest single
+# matrix: Llama-3-8B's (128256 x 4096) read 131 us a token in int8 on the H200, a 15th of the int4 step
+# (RESULTS.md, forty-third session). False: an int8 head in both modes (logits closer to the float ones).
+INT4_HEAD = True
 
 
 def _int4_group(lin: nn.Linear) -> int | None:
@@ -50,8 +55,8 @@ def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: t
 
 
 def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[int, tuple] | None = None) -> int:
-    """Replace the decoder's layer Linears (and, where a kernel serves it, the output head, in int8
-    for both modes: it is the largest single matrix and int8 keeps the logits close); returns how
+    """Replace the decoder's layer Linears (and, where a kernel serves it, the output head: in int8,
+    or in int4 for quant="int4" where torchkiln's CUDA kernel takes it, INT4_HEAD); returns how
     many. Without a kernel the head stays floating point: dequantized inside the expression, the
     compiler kept it an external GEMM whose weight copy cost 1.26 ms per token (21% of the int8
     step) on the H200 profile."""
@@ -60,7 +65,12 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[i
     else:
         done = _replace(decoder.layers, quant, INT4_IMPL, codes)
     head = decoder.head.weight
-    if gemv.wanted(head) or cpu_kernels(head):
+    group = _int4_group(decoder.head)
+    if quant == "int4" and INT4_HEAD and INT4_IMPL in ("auto", "cuda") and group is not None \
+            and Int4Linear.fits_mma(decoder.head, group):
+        decoder.head = Int4Linear(decoder.head, group, mma=True)
+        done += 1
+    elif gemv.wanted(head) or cpu_kernels(head):
         decoder.head = Int8Linear(decoder.head)
         if head.is_cuda:
             gemv.warm(decoder, decoder.norm.weight.dtype)
@@ -96,6 +106,10 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
                 setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine, mma=mma))
             done += 1
     return done
+
+
+def head_kind(head: nn.Module) -> str:
+    return "int8" if isinstance(head, Int8Linear) else "int4" if isinstance(head, Int4Linear) else "float"
 
 
 MMA_KERNEL = "torchkiln CUDA (tensor cores)"  # int4_kernels' name for Int4Linear's mma layout

@@ -35,10 +35,12 @@ CUDA_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 # wrapper compiled apart from the kernels, at -O1; in one file with them, at -O3, it took 130 s).
 CPU_OPTIONS = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 # Prompts up to this wide prefill through CUDA graphs, padded on the right to a multiple of
-# PREFILL_ROUND (at most 256 / 32 = 8 graphs per cache shape, sharing one memory pool). Wider
-# prompts are compute-bound: launches are a small share of their time.
+# PREFILL_ROUND (at most 256 / 16 = 16 graphs per cache shape, sharing one memory pool). Wider
+# prompts are compute-bound: launches are a small share of their time. 16, not 32: the padded rows
+# are computed too, and int4's kernel is MMA-bound at these widths: Llama-3-8B's 16-token prefill took
+# 6.1 ms replayed at width 16 against 8.4 ms at 32 on the H200 (RESULTS.md, forty-third session).
 PREFILL_GRAPH_MAX = 256
-PREFILL_ROUND = 32
+PREFILL_ROUND = 16
 
 
 class _Prefill(NamedTuple):
