@@ -81,7 +81,8 @@ def test_weight_only_quant_on_cuda(quant, cos):
     fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant=quant, max_seq_len=64)
     rep = fast.kiln_report
     assert rep.path == "fast" and rep.quant_cosine >= cos, rep
-    assert rep.quant_layers == 2 * 4 + 1  # 2 layers x 4 Linears, and the head (int8) where the GEMVs run
+    assert rep.quant_layers == 2 * 4 + 1  # 2 layers x 4 Linears, and the head where a kernel serves it
+    assert rep.quant_head == ("int4" if quant == "int4" else "int8")  # int4: torchkiln's CUDA kernel (INT4_HEAD)
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(5)).cuda()
     out = fast.generate(ids, max_new_tokens=8, **GREEDY)
     assert out.shape == (1, 16)
