@@ -525,6 +525,24 @@ def test_weight_only_quant_close_to_float(quant, cos, tol):
     assert 0 < err < tol  # it did quantize; int8 per-channel ~0.5%, int4 groups of 32/64 ~10% here
 
 
+def test_a_new_cache_under_an_int4_head_takes_the_models_dtype():
+    """On CUDA quant="int4" puts the head in int4 (llm/quant.py INT4_HEAD), a module with codes and no
+    float weight: a cache for a new batch then raised AttributeError (the H200's batched int4 test).
+    Here the head is swapped in by hand (the CPU keeps an int8 or float head): a bf16 cache for 2 rows,
+    and a batch of 2 decodes."""
+    from torchkiln.llm.model import linear_of
+    from torchkiln.quantization.weight_only import Int4Linear
+
+    model = build("llama", seed=22).to(torch.bfloat16)
+    q = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int4", compile=False)
+    d = q._kiln_runner.decoder
+    d.head = Int4Linear(linear_of(model.lm_head.weight, None), group=32)
+    q._kiln_runner.reserve(2, 40)
+    cache = d.layers[0].k_cache
+    assert cache.dtype == torch.bfloat16 and cache.shape[0] == 2
+    assert q.generate(prompt(batch=2, seed=24), max_new_tokens=3, **GREEDY).shape == (2, 10)
+
+
 def test_int4_packing_round_trips():
     """Int4Linear against a dequantization written another way (per-group loop)."""
     from torchkiln.quantization.weight_only import Int4Linear

@@ -440,8 +440,8 @@ class FastDecoder(nn.Module):
 
     def setup_cache(self, batch: int, seq: int) -> None:
         """(Re)allocate the KV cache and the tables that depend on its length."""
-        s, w = self.spec, self.head.weight
-        dtype = w.dtype if w.is_floating_point() else self.norm.weight.dtype
+        s, w = self.spec, getattr(self.head, "weight", None)  # an Int4Linear head has none: codes only
+        dtype = w.dtype if w is not None and w.is_floating_point() else self.norm.weight.dtype
         dev = self.norm.weight.device
         for layer in self.layers:
             layer.k_cache = torch.zeros(batch, s.n_kv_heads, seq, s.head_dim, dtype=dtype, device=dev)
