@@ -518,6 +518,7 @@ def test_weight_only_quant_close_to_float(quant, cos, tol):
     q = tk.llm.optimize(model, dtype=torch.float32, quant=quant, compile=False)
     rep = q.kiln_report
     assert rep.quant == quant and rep.quant_cosine > cos and rep.quant_layers == 2 * 4  # 2 layers x 4 Linears
+    assert rep.quant_head == "float" and "quantized Linears: 8 (output head: float)" in str(rep)  # no CPU kernel here
     ids = prompt(seed=23)
     ref = model.generate(ids, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)
     got = q.generate(ids, max_new_tokens=6, output_logits=True, return_dict_in_generate=True, **GREEDY)

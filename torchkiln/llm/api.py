@@ -92,8 +92,9 @@ class LLMReport:
             if self.cuda_gemv:
                 lines.append(f"  CUDA decode projections: {self.cuda_gemv}")
             if self.quant:
+                cos = "not measured" if self.quant_cosine is None else f"{self.quant_cosine:.4f}"
                 lines.append(f"  quantized Linears: {self.quant_layers} (output head: {self.quant_head}); "
-                             f"logits cosine against the float decoder: {self.quant_cosine}")
+                             f"logits cosine against the float decoder: {cos}")
             if self.int4_kernel:
                 lines.append(f"  int4 kernel: {self.int4_kernel}")
             if self.folded is not None:
