@@ -72,9 +72,9 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[i
         done += 1
     elif gemv.wanted(head) or cpu_kernels(head):
         decoder.head = Int8Linear(decoder.head)
-        if head.is_cuda:
-            gemv.warm(decoder, decoder.norm.weight.dtype)
         done += 1
+    if head.is_cuda:  # the Triton kernels' tuning, before any capture (whichever head)
+        gemv.warm(decoder, decoder.norm.weight.dtype)
     return done
 
 
