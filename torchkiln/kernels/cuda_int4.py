@@ -61,8 +61,9 @@ def unavailable(device: torch.device) -> str | None:
 def load(device: torch.device | None = None, group: int = 128) -> str | None:
     """Register ``op(group)`` for ``device``'s architecture (default: the current CUDA device),
     building it if needed. None when it is ready; otherwise why not, in words."""
-    if _no_cuda():
-        return _no_cuda()
+    why = _no_cuda()
+    if why:
+        return why
     if group not in GROUPS:
         return f"groups of {group} inputs: it takes {', '.join(map(str, GROUPS))}"
     device = torch.device(device) if device is not None else torch.device("cuda")

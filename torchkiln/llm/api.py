@@ -293,7 +293,6 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
                 f"gptq ({len(short)} of {len(codes)} projections nearest: fewer calibration tokens than inputs)"
         report.quant_layers = quantize_decoder(decoder, quant, target, codes)
         report.int4_kernel, why = int4_kernels(decoder)
-        report.quant_head = head_kind(decoder.head)
         if why:
             report.fallbacks.append(why)
             warn_once("llm-int4-kernel", f"torchkiln.llm: {why}", owner=work)
@@ -301,7 +300,7 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             head = decoder.head
             report.cpu_gemv = "; ".join(filter(None, [report.cpu_gemv, cpu_int8_rows(decoder)]))
             report.quant_layers += decoder.head is not head  # the head went int8 with the kernel
-            report.quant_head = head_kind(decoder.head)
+        report.quant_head = head_kind(decoder.head)
         if target.type == "cuda" and fused.ON and (quant == "int8" or fused.INT4):
             report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)

@@ -37,6 +37,11 @@ def _int4_group(lin: nn.Linear) -> int | None:
     return next((g for g in INT4_GROUPS if lin.in_features % g == 0), None)
 
 
+def _takes_mma(lin: nn.Linear, group: int | None, impl: str) -> bool:
+    """Does torchkiln's CUDA int4 kernel serve ``lin`` under INT4_IMPL ``impl``?"""
+    return group is not None and impl in ("auto", "cuda") and Int4Linear.fits_mma(lin, group)
+
+
 def gptq_codes(model: nn.Module, decoder: nn.Module, quant: str, data, device: torch.device,
                short: list | None = None) -> dict[int, tuple]:
     """id(projection) -> its GPTQ codes (quantization/gptq.py) for every layer projection of ``decoder``,
@@ -66,8 +71,7 @@ def quantize(decoder: nn.Module, quant: str, device: torch.device, codes: dict[i
         done = _replace(decoder.layers, quant, INT4_IMPL, codes)
     head = decoder.head.weight
     group = _int4_group(decoder.head)
-    if quant == "int4" and INT4_HEAD and INT4_IMPL in ("auto", "cuda") and group is not None \
-            and Int4Linear.fits_mma(decoder.head, group):
+    if quant == "int4" and INT4_HEAD and _takes_mma(decoder.head, group, INT4_IMPL):
         decoder.head = Int4Linear(decoder.head, group, mma=True)
         done += 1
     elif gemv.wanted(head) or cpu_kernels(head):
@@ -101,7 +105,7 @@ def _replace(layers: nn.Module, quant: str, impl: str = "auto", codes: dict[int,
                 group = _int4_group(child)
                 if group is None:
                     continue  # counted out: the report shows fewer quantized layers
-                mma = impl in ("auto", "cuda") and Int4Linear.fits_mma(child, group)
+                mma = _takes_mma(child, group, impl)
                 tiny = not mma and impl in ("auto", "cuda", "tinygemm") and Int4Linear.fits_tinygemm(child, group)
                 setattr(m, name, Int4Linear(child, group, tinygemm=tiny, codes=mine, mma=mma))
             done += 1
