@@ -50,7 +50,8 @@ def _worker(rank, world, init, order, out):
 
             if rank == 1:  # it still runs the probe steps: they are collectives the other rank joins
                 verify = TrainModule._verify
-                TrainModule._verify = lambda self, a, k: (verify(self, a, k), (False, "injected on rank 1"))[1]
+                TrainModule._verify = lambda self, a, k, r: (verify(self, a, k, r),
+                                                             {n: (False, "injected on rank 1", None) for n in r})[1]
             ddp = DDP(model)
             fast, opt = tk.optimize(ddp, optimizer=torch.optim.AdamW(ddp.parameters(), lr=1e-2),
                                     time_budget=0.5)

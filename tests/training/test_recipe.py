@@ -69,3 +69,19 @@ def test_the_allocator_choice(hw, device, level, knobs, want):
 def test_a_bad_allocator_value_names_the_knob_and_the_choices():
     with pytest.raises(ValueError, match=r"cpu_allocator='jemalloc' must be 'keep'.*'default'"):
         plan_training(X86_BF16, "cpu", torch.bfloat16, "O1", {"cpu_allocator": "jemalloc"}, NOTE)
+
+
+@pytest.mark.parametrize("hw, device, level, knobs, distributed, want", [
+    (H100, "cuda:0", "O2", {}, False, True),  # a timed candidate beside the plain compiled step
+    (H100, "cuda:0", "O1", {}, False, False),  # not faster in its own timing, two more compiles
+    (H100, "cuda:0", "O0", {}, False, False),  # nothing compiled
+    (H100, "cuda:0", "O2", {"graph_mode": False}, False, False),
+    (H100, "cuda:0", "O2", {}, True, False),  # collectives would be captured
+    (H100, "cuda:0", "O2", {"split_master_weight_for_bf16": True}, False, False),  # rebuilds move the weights
+    (X86_BF16, "cpu", "O2", {}, False, False),  # no CUDA graphs on a CPU
+])
+def test_the_cuda_graphs_candidate_is_planned_only_where_it_can_serve(hw, device, level, knobs, distributed, want):
+    rec = plan_training(hw, device, torch.bfloat16, level, knobs, NOTE, distributed=distributed)
+    assert rec.graphs is want
+    assert ("under CUDA graphs" in str(rec)) is want
+    assert json.loads(rec.to_json())["graphs"] is want

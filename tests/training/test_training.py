@@ -155,7 +155,7 @@ def test_later_failure_of_the_compiled_step_steps_down_to_eager():
     with pytest.warns(UserWarning, match="stepping down"):
         out = fast(x)
     torch.testing.assert_close(out, model(x))
-    assert fast.kiln_report.active == "eager" and "inductor broke" in fast.kiln_report.fallbacks[-1].reason
+    assert fast.kiln_report.active.startswith("eager") and "inductor broke" in fast.kiln_report.fallbacks[-1].reason
 
 
 def test_train_eval_switching_and_no_grad():

@@ -38,9 +38,12 @@ from ..report import Fallback, Measurement, Report
 from ..runtime import allocator
 from ..timing import interleaved
 from . import probe
+from .graphs import GraphedStep
 from .recipe import TrainRecipe
 
 log = logging.getLogger(__name__)
+_LABELS = {"eager": "eager", "compiled": "compiled forward+backward",
+           "graphs": "compiled forward+backward under CUDA graphs"}
 _ids = itertools.count()  # warn-once keys per model (id() values are reused)
 
 
@@ -102,8 +105,15 @@ class TrainModule(OriginalFace):
         compiled = torch.compile(Fresh(self._eager), options=opts) if rec.compile else None
         if compiled is not None and _under_ddp(self.kiln_original):
             compiled = OneGraph(compiled)
+        graphs = None
+        if compiled is not None and rec.graphs:
+            replayed = torch.compile(Fresh(self._eager), options={**(opts or {}), "triton.cudagraphs": True})
+            graphs = GraphedStep(replayed, probe.trainable(self.kiln_original))
         s(self, "_compiled", compiled)
+        s(self, "_graphs", graphs)
         s(self, "_fn", None)
+        s(self, "_served", "eager")
+        s(self, "_passed", ("eager",))
 
     def __getstate__(self):
         original, recipe = self.kiln_original, self.kiln_recipe
@@ -168,23 +178,33 @@ class TrainModule(OriginalFace):
                 if self._fn is None:
                     with quiet_deprecations():  # compiled in this first call (_log.py says why)
                         self._setup(args, kwargs)
-        fn = self._fn if self._fn is not None else self._eager
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            if is_oom(e):
-                raise
-            if fn is self._eager:
-                if self._split is None:
+        while True:
+            fn = self._fn if self._fn is not None else self._eager
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if is_oom(e):
                     raise
-                return self._unsplit(e, args, kwargs)
-            reason = f"{type(e).__name__}: {first_line(e)}"
-            self.kiln_report.fallbacks.append(Fallback("compiled step", "eager", reason))
-            warn_once(f"train-fb:{self._uid}", f"torchkiln: the compiled training step failed ({reason}); "
-                      "stepping down to eager")
-            object.__setattr__(self, "_fn", self._eager)
-            self.kiln_report.active = "eager"
-            return self._eager(*args, **kwargs)
+                if fn is self._eager:
+                    if self._split is None:
+                        raise
+                    return self._unsplit(e, args, kwargs)
+                self._step_down(e)
+
+    def _step_down(self, error: Exception) -> None:
+        """One level down: CUDA graphs to the plain compiled step (where it passed the guard), else eager."""
+        here = self._served
+        down = "compiled" if here == "graphs" and "compiled" in self._passed else "eager"
+        reason = f"{type(error).__name__}: {first_line(error)}"
+        self.kiln_report.fallbacks.append(Fallback(_LABELS[here], _LABELS[down], reason))
+        warn_once(f"train-fb:{self._uid}:{here}", f"torchkiln: the {_LABELS[here]} training step failed ({reason}); "
+                  f"stepping down to {_LABELS[down]}")
+        self._serve(down)
+
+    def _serve(self, name: str) -> None:
+        object.__setattr__(self, "_fn", {"eager": self._eager, "compiled": self._compiled, "graphs": self._graphs}[name])
+        object.__setattr__(self, "_served", name)
+        self.kiln_report.active = f"{_LABELS[name]} ({self.kiln_recipe.dtype})"
 
     def _unsplit(self, error: Exception, args, kwargs):
         """The model failed with bf16 weights: if it works with the float32 masters (code that mixes
@@ -207,51 +227,57 @@ class TrainModule(OriginalFace):
         return out
 
     def _setup(self, args, kwargs) -> None:
-        """Verify the compiled step against eager, time both, serve the faster."""
+        """Verify the compiled steps against eager, time those that pass with eager, serve the fastest."""
         report, t0 = self.kiln_report, time.perf_counter()
         args, kwargs = inputs.tree_map(lambda t: t.detach(), (args, kwargs))
         cands = {"eager": self._eager, "compiled": self._compiled}
+        if self._graphs is not None:
+            cands["graphs"] = self._graphs
         rec = self.kiln_recipe
-        names = {"eager": f"eager ({rec.dtype})", "compiled": f"compiled forward+backward ({rec.dtype})"}
-        report.candidates = [Measurement(names[n], "eager" if n == "eager" else "torchkiln", rec.dtype)
-                             for n in cands]
+        report.candidates = [Measurement(f"{_LABELS[n]} ({rec.dtype})", "eager" if n == "eager" else "torchkiln",
+                                         rec.dtype) for n in cands]
         by = dict(zip(cands, report.candidates, strict=True))
-        passed = ["eager"]
-
-        def reject(why: str, what: str) -> None:
-            by["compiled"].status, by["compiled"].reason = "failed", why
-            report.fallbacks.append(Fallback("compiled step", "eager", why))
-            warn_once(f"train-guard:{self._uid}", f"torchkiln: compiled training step {what} ({why}); "
-                      "training runs eager")
-
-        what = "rejected"
+        rivals = [n for n in cands if n != "eager"]
         try:
-            ok, why = self._verify(args, kwargs) if self._opts["verify"] != "off" else (True, "")
+            verdicts = self._verify(args, kwargs, rivals) if self._opts["verify"] != "off" else \
+                {n: (True, "", None) for n in rivals}
         except InputsRejected as e:
             # The caller's error, as eager raises it; nothing is decided, the next call sets up again. Counted
             # against the compiled step, one bad first batch left training eager for good (a new-user probe,
             # thirty-seventh session).
             raise e.error.with_traceback(e.error.__traceback__) from None
-        except Exception as e:
+        except Exception as e:  # a reference step (eager under autocast) failed: nothing to compare against
             if is_oom(e):
                 raise
-            ok, why, what = False, f"{type(e).__name__}: {first_line(e)}", "failed"
-        # Under DDP/FSDP every rank must serve the same step (and time the same number of steps below).
-        if not _every_rank(ok, self._device) and ok:
-            ok, why = False, "the compiled step was rejected on another rank; every rank serves the same step"
-        if ok:
-            passed.append("compiled")
-        else:
-            reject(why, what)
+            verdicts = {n: (False, f"{type(e).__name__}: {first_line(e)}", None) for n in rivals}
+        passed = ["eager"]
+        for n in rivals:
+            ok, why, _ = verdicts[n]
+            # Under DDP/FSDP every rank must serve the same step (and time the same number of steps below).
+            if not _every_rank(ok, self._device) and ok:
+                ok, why = False, "the compiled step was rejected on another rank; every rank serves the same step"
+            if ok:
+                passed.append(n)
+                continue
+            what = "rejected" if why.startswith(("output [", "gradient [")) else "failed"
+            by[n].status, by[n].reason = "failed", why
+            report.fallbacks.append(Fallback(_LABELS[n], "eager", why))
+            warn_once(f"train-guard:{self._uid}:{n}", f"torchkiln: {_LABELS[n]} training step {what} ({why}); "
+                      "it does not serve")
         best = self._time({n: cands[n] for n in passed}, by, args, kwargs) if len(passed) > 1 else "eager"
         for n, m in by.items():
             if m.status != "failed":
                 m.status = "served" if n == best else "passed"
-        object.__setattr__(self, "_fn", cands[best])
-        report.active = names[best]
-        if best == "compiled" and isinstance(self._compiled, OneGraph):
+        object.__setattr__(self, "_passed", tuple(passed))
+        self._serve(best)
+        shown = best if best != "eager" and verdicts.get(best, (0, 0, None))[2] else "compiled"
+        if verdicts.get(shown, (0, 0, None))[2] is not None:
+            report.guard, error, tolerance = verdicts[shown][2]
+            if error is not None:  # None: served unverified (no reference step fits)
+                report.verified_shapes, report.error, report.tolerance = 1, error, tolerance
+        if best != "eager" and isinstance(self._compiled, OneGraph):
             report.applied.append("one graph under DDP (optimize_ddp=False: all-reduces after the backward)")
-        if best == "compiled" and "hash_dropout" in [p.name for p in rec.passes]:
+        if best != "eager" and "hash_dropout" in [p.name for p in rec.passes]:
             n = getattr(self._graph_pass, "rewritten", 0)  # 0 also when the graph came from inductor's cache
             report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the compiled step)")
         report.dtype_served = rec.dtype
@@ -275,12 +301,14 @@ class TrainModule(OriginalFace):
             return
         self.kiln_report.applied.append(f"allocator: {said}")
 
-    def _verify(self, args, kwargs) -> tuple[bool, str]:
+    def _verify(self, args, kwargs, rivals: list[str]) -> dict:
+        """{candidate: (ok, why, (guard, worst error, its tolerance) or None)} after one step of each."""
         rec = self.kiln_recipe
-        proj: dict = {}  # one projection for all three steps, freed after
+        proj: dict = {}  # one projection for all the steps, freed after
         masters = self._split.masters() if self._split is not None else contextlib.nullcontext()
         dtype = DTYPES[rec.dtype]
         truth = "float32 eager"
+        fns = {"compiled": self._compiled, "graphs": self._graphs}
         with probe.untouched(self.kiln_original, self._device, dropout=False) as params:
             ref = None
             try:
@@ -311,40 +339,50 @@ class TrainModule(OriginalFace):
                 # unverified, said in the report and a warning, beats failing where the stock recipe trains.
                 _release(self._device)
                 probe.step(self._compiled, params, args, kwargs, keep=False, cache=proj)  # its OOM is the caller's
-                self.kiln_report.guard = {"ok": None, "reference": "none", "note": (
+                guard = {"ok": None, "reference": "none", "note": (
                     "not verified: the float32 and eager reference steps ran out of device memory; the compiled "
                     "step serves unverified")}
                 warn_once(f"train-unverified:{self._uid}", "torchkiln: the compiled training step serves unverified: "
                           "the float32 and eager reference steps do not fit in device memory")
-                return True, "unverified (the reference steps do not fit in device memory)"
+                why = "unverified (the reference steps do not fit in device memory)"
+                return {n: (n == "compiled", why if n == "compiled" else "not built: nothing to verify it against",
+                            (guard, None, None) if n == "compiled" else None) for n in rivals}
             if ref is None:
                 ref, base = base, None
             n_out = len(ref) - len(params)
             scale = _grad_scale(ref[n_out:], dtype)
             base_errors = _errors(base, ref, n_out, scale) if base is not None else None
             del base  # compared already: not held while the compiled step runs
-            got = None
-            try:
-                got = probe.step(self._compiled, params, args, kwargs, cache=proj)
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-            if got is None:
-                _release(self._device)
-                return False, "the compiled step ran out of device memory where eager fits"
-        tols = tolerances(dtype, base_errors, len(ref), tf32_allowed(self._device, has_conv(self.kiln_original)))
-        if base_errors is not None:
-            # Eager under autocast is what a rejected compiled step falls back to, so where eager itself
-            # is past the cap, rejecting buys no accuracy: the compiled step must then be within 25% of it.
-            tols = [max(t, 1.25 * e.rel) if e.shapes_match else t for t, e in zip(tols, base_errors, strict=True)]
-        names = tuple(f"output [{i}]" for i in range(n_out)) + tuple(f"gradient [{i}]" for i in range(len(params)))
-        v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols), names)
-        self.kiln_report.verified_shapes = 1
-        self.kiln_report.guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
-                                  "reference": truth, **v.to_dict()}
-        worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
-        self.kiln_report.error, self.kiln_report.tolerance = v.errors[worst].to_dict(), v.tolerances[worst]
-        return v.ok, str(v)
+            tols = tolerances(dtype, base_errors, len(ref), tf32_allowed(self._device, has_conv(self.kiln_original)))
+            if base_errors is not None:
+                # Eager under autocast is what a rejected compiled step falls back to, so where eager itself
+                # is past the cap, rejecting buys no accuracy: the compiled step must then be within 25% of it.
+                tols = [max(t, 1.25 * e.rel) if e.shapes_match else t for t, e in zip(tols, base_errors, strict=True)]
+            names = tuple(f"output [{i}]" for i in range(n_out)) + tuple(f"gradient [{i}]" for i in range(len(params)))
+            out = {}
+            for n in rivals:
+                got = None
+                try:
+                    # graph trees run a call eagerly, record the next and replay from the third: the replay is
+                    # what serves, so it is what the guard compares
+                    for _ in range(2 if n == "graphs" else 0):
+                        probe.step(fns[n], params, args, kwargs, keep=False, cache=proj)
+                    got = probe.step(fns[n], params, args, kwargs, cache=proj)
+                except Exception as e:
+                    if not is_oom(e):
+                        out[n] = (False, f"{type(e).__name__}: {first_line(e)}", None)
+                        continue
+                if got is None:
+                    _release(self._device)
+                    out[n] = (False, "the compiled step ran out of device memory where eager fits", None)
+                    continue
+                v = Verdict(tuple(_errors(got, ref, n_out, scale)), tuple(tols), names)
+                del got
+                guard = {"compared": f"{n_out} outputs, then {len(params)} gradients, after one step",
+                         "reference": truth, **v.to_dict()}
+                worst = max(range(len(v.errors)), key=lambda i: v.errors[i].rel / max(v.tolerances[i], 1e-12))
+                out[n] = (v.ok, str(v), (guard, v.errors[worst].to_dict(), v.tolerances[worst]))
+        return out
 
     def _time(self, fns: dict, by: dict, args, kwargs) -> str:
         errors: dict = {}

@@ -37,6 +37,7 @@ class TrainRecipe:
     precision: str = "fp32"  # fp32 | autocast
     loss_scaling: bool = False  # fp16: gradients need a GradScaler
     compile: bool = True  # a compiled forward+backward is a candidate (timed against eager)
+    graphs: bool = False  # the compiled step under CUDA graphs is a candidate too (training/graphs.py)
     optimizer: str = "unchanged"  # fused (torch's fused=True) | torchkiln | own step | unchanged
     master_weights: str = "fp32"  # fp32 (the parameters themselves) | split (bf16 + 16-bit trail)
     passes: tuple = ()  # graph pass configs (the registry) for the compiled step
@@ -57,7 +58,8 @@ class TrainRecipe:
     def __str__(self) -> str:
         lines = [f"TrainRecipe for {self.device} at {self.level}:",
                  f"  precision    {self.dtype} ({self.precision})" + (", loss scaling" if self.loss_scaling else ""),
-                 f"  compile      {'forward+backward, timed against eager' if self.compile else 'off'}",
+                 f"  compile      {'forward+backward, timed against eager' if self.compile else 'off'}"
+                 + (", and under CUDA graphs" if self.graphs else ""),
                  f"  optimizer    {self.optimizer}",
                  f"  masters      {'split: bf16 weights + 16-bit trails' if self.master_weights == 'split' else 'fp32 parameters'}",
                  f"  graph passes {', '.join(p.name for p in self.passes) or '-'}",
@@ -93,9 +95,15 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
         passes = (registry.make("hash_dropout"),)
         notes.append("dropout in the compiled step: masks from a counter hash, not inductor's per-element Philox "
                      "(bert-base bs8: 0.65 s of a 3.4 s step on 2 cores; passes/hash_dropout.py)")
+    # O2 only: on the H200, GPT-2-medium bs16 seq512's step under CUDA graphs timed 51.95 ms against the plain
+    # compiled step's 51.73 in tk.optimize's own timing (stock reduce-overhead ran 1.02-1.06x stock compile in a
+    # loop), and building it took two more compiles (optimize 222 s; benchmarks/RESULTS.md, forty-fourth session).
+    graphs = compile_ and level == "O2" and torch.device(device).type == "cuda" and not distributed and not split
+    if graphs:
+        notes.append("O2: the compiled step is also timed replayed as CUDA graphs (training/graphs.py)")
     allocator = _allocator_choice(knobs.get("cpu_allocator"), device, level, notes)
     return TrainRecipe(device=device, level=level, dtype=dtype_name(chosen), precision="autocast" if low else "fp32",
-                       loss_scaling=chosen == torch.float16, compile=compile_, optimizer=kind,
+                       loss_scaling=chosen == torch.float16, compile=compile_, graphs=graphs, optimizer=kind,
                        master_weights="split" if split else "fp32", passes=passes, allocator=allocator,
                        notes=tuple(notes))
 
