@@ -12,6 +12,7 @@ free. --same-process builds them all here, as before.
 Peers, each on its own copy of the model:
   eager fp32          the loop as written, AdamW (torch's default, foreach)
   compile+autocast    torch.compile(model), autocast in the loop, AdamW(fused=True)
+  compile+autocast reduce-overhead  the same compiled with mode="reduce-overhead" (CUDA graphs)
   compile+autocast malloc-keep  the same in a process where glibc malloc keeps freed memory (set by
                       hand: what preloading jemalloc, as `torchkiln run` and torch's run_cpu do, gives)
   compile fp32        the same without autocast (the stock choice on a CPU without native bf16)
@@ -93,6 +94,9 @@ def makers_for(a, batch: dict, low: torch.dtype, notes: dict) -> dict:
     if "compile+autocast" in want:
         makers[f"compile+autocast {a.dtype} +fused AdamW"] = lambda m: stepper(
             torch.compile(m), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
+    if "compile+autocast reduce-overhead" in want:  # the stock way to CUDA graphs (a loop without accumulation)
+        makers[f"compile reduce-overhead+autocast {a.dtype} +fused AdamW"] = lambda m: stepper(
+            torch.compile(m, mode="reduce-overhead"), torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True), True)
     if "compile+autocast malloc-keep" in want:  # the stock recipe with jemalloc-like reuse (its own process)
         def keep(m):
             from torchkiln.runtime import allocator
