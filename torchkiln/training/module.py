@@ -259,7 +259,7 @@ class TrainModule(OriginalFace):
             if ok:
                 passed.append(n)
                 continue
-            what = "rejected" if why.startswith(("output [", "gradient [")) else "failed"
+            what = "rejected" if verdicts[n][2] is not None else "failed"  # a verdict, or an error before one
             by[n].status, by[n].reason = "failed", why
             report.fallbacks.append(Fallback(_LABELS[n], "eager", why))
             warn_once(f"train-guard:{self._uid}:{n}", f"torchkiln: {_LABELS[n]} training step {what} ({why}); "
@@ -270,9 +270,10 @@ class TrainModule(OriginalFace):
                 m.status = "served" if n == best else "passed"
         object.__setattr__(self, "_passed", tuple(passed))
         self._serve(best)
-        shown = best if best != "eager" and verdicts.get(best, (0, 0, None))[2] else "compiled"
-        if verdicts.get(shown, (0, 0, None))[2] is not None:
-            report.guard, error, tolerance = verdicts[shown][2]
+        none = (False, "", None)  # the served step's verdict in the report; with eager served, the compiled one's
+        shown = verdicts.get(best, none)[2] or verdicts.get("compiled", none)[2]
+        if shown is not None:
+            report.guard, error, tolerance = shown
             if error is not None:  # None: served unverified (no reference step fits)
                 report.verified_shapes, report.error, report.tolerance = 1, error, tolerance
         if best != "eager" and isinstance(self._compiled, OneGraph):
@@ -345,8 +346,8 @@ class TrainModule(OriginalFace):
                 warn_once(f"train-unverified:{self._uid}", "torchkiln: the compiled training step serves unverified: "
                           "the float32 and eager reference steps do not fit in device memory")
                 why = "unverified (the reference steps do not fit in device memory)"
-                return {n: (n == "compiled", why if n == "compiled" else "not built: nothing to verify it against",
-                            (guard, None, None) if n == "compiled" else None) for n in rivals}
+                return {n: (True, why, (guard, None, None)) if n == "compiled" else
+                        (False, "not verified: the reference steps do not fit in device memory", None) for n in rivals}
             if ref is None:
                 ref, base = base, None
             n_out = len(ref) - len(params)

@@ -97,7 +97,7 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
                      "(bert-base bs8: 0.65 s of a 3.4 s step on 2 cores; passes/hash_dropout.py)")
     # O2 only: on the H200, GPT-2-medium bs16 seq512's step under CUDA graphs timed 51.95 ms against the plain
     # compiled step's 51.73 in tk.optimize's own timing (stock reduce-overhead ran 1.02-1.06x stock compile in a
-    # loop), and building it took two more compiles (optimize 222 s; benchmarks/RESULTS.md, forty-fourth session).
+    # loop), and building it took two more compiles (optimize 223-263 s; benchmarks/RESULTS.md, forty-fourth session).
     graphs = compile_ and level == "O2" and torch.device(device).type == "cuda" and not distributed and not split
     if graphs:
         notes.append("O2: the compiled step is also timed replayed as CUDA graphs (training/graphs.py)")
