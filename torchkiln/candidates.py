@@ -173,6 +173,17 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
         def int8_modules():  # imported here: the quantization package stays out of float models' imports
             from .quantization.onednn_int8 import OneDNNInt8
             return build.call(OneDNNInt8(build.original), False)
+
+        def int8_net():
+            from .quantization.onednn_net import OneDNNNet
+            return build.call(OneDNNNet(build.original), False)
+
+        # the same int8 modules' weights and scales as one oneDNN program (quantization/onednn_net.py):
+        # offered where pip's oneDNN and a compiler are here; its build refuses graphs it cannot hold
+        from .quantization.onednn_net import available as net_available
+        if net_available():
+            out.append(Candidate(f"torchkiln oneDNN int8 net ({tag})", "torchkiln", tag, int8_net, tier, False,
+                                 build.applied, graph_passes=False))
         out.append(Candidate(f"torchkiln oneDNN int8 modules ({tag})", "torchkiln", tag, int8_modules, tier, False,
                              build.applied, graph_passes=False))
     elif rec.onednn_graph and rec.device == "cpu" and not build.inplace:
