@@ -3,10 +3,11 @@
 // oneDNN primitives built once per input shape, from one C call per forward.
 //
 // Why it is hand-written: torch's quantized conv ops run the same oneDNN kernels, but each call
-// also allocates its output, rebuilds scales and attributes and looks its primitive up: 17-24 us
-// per convolution around an 18-99 us kernel on a 2-core Zen 5 (benchmarks/diag_qconv_overhead.py,
-// RESULTS.md "oneDNN int8 net"), about 1 ms of resnet50's 5.6 ms at batch 1. IPEX 2.8 avoids it
-// with its own cached oneDNN Graph partitions; torch's wheel exports no oneDNN symbols, so this
+// also allocates its output, rebuilds scales and attributes and looks its primitive up: 6-20 us per
+// convolution around the kernel on a 2-core Zen 5 (benchmarks/diag_qconv_overhead.py); resnet50 int8
+// at batch 1 ran 6.32 ms through torch's modules and 5.66 ms as this program (1.12x, interleaved,
+// benchmarks/diag_int8_net.py; RESULTS.md "oneDNN int8 net"). IPEX 2.8 avoids it with its own
+// cached oneDNN Graph partitions; torch's wheel exports no oneDNN symbols, so this
 // links the oneDNN that pip's `onednn-cpu-gomp` ships, which runs on the libgomp torch has loaded.
 //
 // The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new, then kn_input /

@@ -3,7 +3,8 @@ a candidate beside the int8 modules trace (onednn_int8.py), timed against it and
 it is faster and passes the guard.
 
 Why: the int8 modules trace calls torch's quantized conv ops, which run the same oneDNN kernels
-but spend 17-24 us per call around each (output allocation, scales, attributes, primitive lookup;
+but spend 6-20 us per call around each (output allocation, scales, attributes, primitive lookup;
+resnet50 bs1 on a 2-core Zen 5: 6.32 ms through the modules, 5.66 ms here, benchmarks/diag_int8_net.py;
 RESULTS.md "oneDNN int8 net"). Here every primitive, weight layout and buffer is made once per input
 shape, and a call runs the list from C. The numbers are the same quantization: the lowered graph's
 modules give the weights (int8 codes, per-channel scales), biases and calibrated scales.
