@@ -13,7 +13,7 @@ def run_json(capsys, *argv):
 
 def test_doctor_json_shape(capsys):
     out = run_json(capsys, "doctor", "--json")
-    assert set(out) == {"torchkiln", "hardware", "devices", "default_device", "problems", "quantization"}
+    assert set(out) == {"torchkiln", "hardware", "devices", "default_device", "problems", "quantization", "onednn_net"}
     assert set(out["quantization"]) == set(out["devices"])
     assert out["quantization"]["cpu"]["fp8"][0] is False  # fp8 needs a GPU
     hw = out["hardware"]
@@ -78,3 +78,12 @@ def test_bad_timeout_env_is_a_clear_error(monkeypatch, capsys):
     assert cli.main(["doctor", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert "TORCHKILN_PROBE_TIMEOUT" in out["message"] and "soon" in out["message"]
+
+
+def test_doctor_says_whether_the_int8_net_can_be_built(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHKILN_ONEDNN_ROOT", str(tmp_path))  # an empty prefix: no oneDNN there
+    out = run_json(capsys, "doctor", "--json")
+    assert out["onednn_net"]["available"] is False
+    assert str(tmp_path) in out["onednn_net"]["detail"] and "torchkiln[onednn]" in out["onednn_net"]["detail"]
+    assert cli.main(["doctor"]) == 0
+    assert "int8 net not available" in capsys.readouterr().out

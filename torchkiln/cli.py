@@ -56,6 +56,9 @@ def _cmd_doctor(args) -> int:
     print(f"Malloc   {doctor.allocator_line(doctor.allocators())}")
     for dev, schemes in report.get("quantization", {}).items():
         print(f"Quant    {doctor.quant_line(dev, schemes)}  (tk.quantize schemes)")
+    net = report["onednn_net"]
+    print(f"int8 net {'available: ' if net['available'] else 'not available: '}{net['detail']}  "
+          "(int8 CNNs as one oneDNN program)")
     for p in report["problems"]:
         print(f"PROBLEM  {p['device']}: {p['detail']}\n  cause: {p['cause']}\n  fix:   {p['fix']}")
     return 0

@@ -154,7 +154,19 @@ def run(timeout: float | None = None) -> dict:
         "default_device": default_device(hw),
         "problems": [p.__dict__ for p in probs],
         "quantization": quant_schemes(hw),
+        "onednn_net": onednn_net(),
     }
+
+
+def onednn_net() -> dict:
+    """Whether the int8 CNN runner (quantization/onednn_net.py) can be built here: its oneDNN found
+    (library and headers), or why not. Looks only; the first int8 optimize compiles it."""
+    from .kernels import onednn_net as kernel
+
+    found = kernel.find()
+    if isinstance(found, str):
+        return {"available": False, "detail": found}
+    return {"available": True, "detail": f"oneDNN at {found[0]}"}
 
 
 def quant_schemes(hw: Hardware) -> dict[str, dict[str, list]]:
