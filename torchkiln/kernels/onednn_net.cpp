@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -42,7 +41,7 @@ struct Op {
   int src = -1, other = -1, dst = -1;
   // conv
   std::vector<int8_t> weight;  // OIHW codes (G*O/G, I/G, KH, KW)
-  std::vector<float> wscale, bias, sscale, dscale, oscale;
+  std::vector<float> wscale, bias, sscale, dscale;
   memory::dims wdims, strides, pad_l, pad_r, dil;
   int groups = 1;
   bool relu = false, has_bias = false;
@@ -54,7 +53,6 @@ struct Op {
   std::unordered_map<int, memory> args;
   memory wmem, bmem, zp_src, zp_dst, sc_src, sc_w, sc_dst;
   bool copy_other = false;  // the residual operand is read later: copy it into dst before the conv
-  std::string impl;
 };
 
 struct Net {
@@ -64,10 +62,10 @@ struct Net {
   std::vector<Op> ops;
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<uint8_t> scratch;
-  memory::dims in_dims, out_dims;
+  memory::dims in_dims;
   memory in_mem, out_mem;
   bool out_flat = false;
-  std::string error, impls;
+  std::string error;
 };
 
 memory::desc nhwc(const Tensor& t) { return memory::desc(t.dims, dt::u8, tag::nhwc); }
@@ -128,7 +126,6 @@ void build_conv(Net* n, Op& op) {
   auto pd = convolution_forward::primitive_desc(n->eng, prop_kind::forward_inference,
                                                 algorithm::convolution_direct, nhwc(s), wany, bmd, nhwc(d),
                                                 op.strides, op.dil, op.pad_l, op.pad_r, attr);
-  op.impl = pd.impl_info_str();
   // weights reordered once into the kernel's own layout
   memory plain({wd, dt::s8, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, op.weight.data());
   op.wmem = memory(pd.weights_desc(), n->eng);
@@ -161,7 +158,6 @@ void build_pool(Net* n, Op& op) {
   attr.set_scratchpad_mode(scratchpad_mode::user);
   auto pd = pooling_forward::primitive_desc(n->eng, prop_kind::forward_inference, op.alg, nhwc(s), nhwc(d),
                                             op.strides, op.kernel, op.dil, op.pad_l, op.pad_r, attr);
-  op.impl = pd.impl_info_str();
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   op.prim = pooling_forward(pd);
 }
@@ -180,7 +176,6 @@ void build_reorder(Net* n, Op& op, bool quantize) {
   if (t.zp) attr.set_zero_points_mask(arg, 0);
   auto pd = quantize ? reorder::primitive_desc(n->eng, plain, n->eng, q, attr)
                      : reorder::primitive_desc(n->eng, q, n->eng, plain, attr);
-  op.impl = pd.impl_info_str();
   op.sscale = {t.scale};
   op.sc_src = scalar_f32(n->eng, op.sscale);
   op.args = {{DNNL_ARG_ATTR_SCALES | arg, op.sc_src}};
@@ -195,7 +190,6 @@ extern "C" {
 void* kn_new() { return new Net(); }
 void kn_free(void* net) { delete static_cast<Net*>(net); }
 const char* kn_error(void* net) { return static_cast<Net*>(net)->error.c_str(); }
-const char* kn_impls(void* net) { return static_cast<Net*>(net)->impls.c_str(); }
 
 int kn_input(void* net, int64_t nb, int64_t c, int64_t h, int64_t w, float scale, int zp) {
   Net* n = static_cast<Net*>(net);
@@ -276,7 +270,6 @@ int kn_output(void* net, int src, int flat) {
     op.kind = Op::OUTPUT;
     op.src = src;
     n->out_flat = flat != 0;
-    n->out_dims = t.dims;
     n->ops.push_back(std::move(op));
     return 0;
   });
@@ -323,13 +316,11 @@ int kn_finalize(void* net) {
         }
       }
     }
-    n->impls.clear();
     for (auto& op : n->ops) {
       if (op.kind == Op::CONV) build_conv(n, op);
       if (op.kind == Op::POOL) build_pool(n, op);
       if (op.kind == Op::INPUT) build_reorder(n, op, true);
       if (op.kind == Op::OUTPUT) build_reorder(n, op, false);
-      n->impls += op.impl + ";";
     }
     // every memory bound once: a call only points the input and output at the caller's tensors
     memory scratch(memory::desc({(memory::dim)n->scratch.size()}, dt::u8, tag::x), n->eng, n->scratch.data());

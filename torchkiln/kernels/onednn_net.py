@@ -69,7 +69,6 @@ def load() -> ctypes.CDLL | str:
     c_int, c_float, vp = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     sig = {
         "kn_new": (vp, []), "kn_free": (None, [vp]), "kn_error": (ctypes.c_char_p, [vp]),
-        "kn_impls": (ctypes.c_char_p, [vp]),
         "kn_input": (c_int, [vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c_float, c_int]),
         "kn_conv": (c_int, [vp, c_int, c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P,
                             ctypes.c_int64, vp, vp, vp, c_float, c_int, c_int]),

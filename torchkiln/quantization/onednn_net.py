@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from ..kernels import onednn_net as kernel
-from ..passes.onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound
+from ..passes.onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
 from .onednn_int8 import available as _int8_available
 from .onednn_int8 import lower, onednn_engine
 
@@ -76,8 +76,8 @@ class _Pool:
 
 @dataclass
 class Program:
-    """The int8 region as a list of steps over value slots (0: the quantized input); built into a
-    C net per input shape by ``build``."""
+    """The int8 region as a list of steps over value slots (0: the quantized input; step i makes
+    slot i + 1); built into a C net per input shape by ``Net``."""
 
     scale: float
     zp: int
@@ -92,6 +92,9 @@ def _conv_step(m: nn.Module, src: int, other: int | None) -> _Conv:
 
     kinds = {nnq.Conv2d: (False, False), nniq.ConvReLU2d: (True, False), nniq.ConvAdd2d: (False, True),
              nniq.ConvAddReLU2d: (True, True)}
+    if type(m) not in kinds:
+        raise Unsupported(f"{type(m).__name__} on int8 values (quantized Conv2d, ConvReLU2d, ConvAdd2d, "
+                          "ConvAddReLU2d only)")
     relu, add = kinds[type(m)]
     if add != (other is not None):
         raise Unsupported(f"{type(m).__name__} called with {1 + (other is not None)} inputs")
@@ -181,7 +184,6 @@ class Net:
             lib.kn_free(self.handle)
             self.handle = None
             raise
-        self.impls = lib.kn_impls(self.handle).decode()
 
     def _check(self, rc):
         if rc < 0:
@@ -300,7 +302,7 @@ class OneDNNNet(PerSignature):
         fn = _Bound(self.rewritten, args, kwargs)
         with torch.no_grad(), onednn_engine(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
-            fn(*[v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)])
+            fn(*tensor_leaves(args, kwargs))
         return fn
 
 
