@@ -152,6 +152,10 @@ def program(gm: fx.GraphModule) -> tuple[Program, fx.Node, fx.Node, list[fx.Node
             prog.steps.append(_conv_step(gm.get_submodule(node.target), args[0], args[1] if len(args) > 1 else None))
         elif node.op == "call_function" and node.target in (aten.max_pool2d.default, aten.adaptive_avg_pool2d.default):
             prog.steps.append(_pool_step(node, slot[node.args[0]]))
+        elif node.op == "call_method" and node.target == "clone":  # lower()'s copy of an accumulator:
+            slot[node] = slot[node.args[0]]  # the program copies a residual read later itself
+            region.append(node)
+            continue
         elif node.op == "call_function" and node.target is aten.flatten.using_ints and tuple(node.args[1:]) in ((1,), (1, -1)):
             users = list(node.users)
             if len(users) != 1 or users[0].target != "dequantize":
