@@ -5,11 +5,13 @@ interleaved (bs1, bert-base seq128 by default):
   (and the mask folded into baddbmm) against inductor's fused softmax kernel
   (passes/sdpa_math.py), for the int8 model; ``--dtypes bfloat16,float32`` is the control (their
   math form never takes the opaque softmax: FORMS; expect 1.00x and identical outputs);
+- ``--part fused``: the int8 model's whole bf16 attention as the C++ op ``torchkiln::attention_bf16``
+  (kernels/cpu_attention.cpp) against baddbmm + opaque softmax + bmm (SDPARouter.FUSED_ATTENTION);
 - ``--part merge``: Q/K/V merged into one int8 linear before quantizing (quantization/
   concat_linear_fx.py) against three, whole model; ``--part qkv``: the GEMMs alone
   (``onednn::qlinear_pointwise``, 3 x 768 against one 2304-wide, 128 rows).
 
-    python benchmarks/diag_opaque_softmax.py --part softmax,merge,qkv
+    python benchmarks/diag_opaque_softmax.py --part softmax,fused,merge,qkv
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ def _flag(value: bool):
     return setup
 
 
+def _fused(value: bool):
+    def setup():
+        old = SDPARouter.FUSED_ATTENTION
+        SDPARouter.FUSED_ATTENTION = value
+
+        def undo():
+            SDPARouter.FUSED_ATTENTION = old
+        return undo
+    return setup
+
+
 def _merge(value: bool):
     def setup():
         real = pt2e_flow.concat_sibling_linears
@@ -113,7 +126,7 @@ def qkv(budget: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="softmax,merge,qkv")
+    ap.add_argument("--part", default="softmax,fused,merge,qkv")
     ap.add_argument("--model", default="bert-base")
     ap.add_argument("--dtypes", default="int8", help="for --part softmax: int8,bfloat16,float32")
     ap.add_argument("--budget", type=float, default=20.0)
@@ -124,6 +137,10 @@ def main() -> int:
         for dtype in a.dtypes.split(","):
             t = _model_ab(a.model, dtype, {"opaque softmax": _flag(True), "inductor softmax": _flag(False)}, a.budget)
             _report(f"{a.model} {dtype} bs1: attention softmax", t, "inductor softmax")
+    if "fused" in parts:
+        t = _model_ab(a.model, "int8", {"fused attention op": _fused(True), "baddbmm+softmax+bmm": _fused(False)},
+                      a.budget)
+        _report(f"{a.model} int8 bs1: attention", t, "baddbmm+softmax+bmm")
     if "merge" in parts:
         t = _model_ab(a.model, "int8", {"Q/K/V merged": _merge(True), "Q/K/V apart": _merge(False)}, a.budget)
         _report(f"{a.model} int8 bs1: sibling linears", t, "Q/K/V apart")

@@ -222,12 +222,16 @@ def test_router_auto_bf16_times_the_bf16_form_and_routes_it():
         out, names = profiled(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
     assert "torchkiln::sdpa_math_bf16" in names and "torchkiln::sdpa" not in names
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
-    # compiled: inline, its GEMMs in bf16, no SDPA kernel and no opaque attention op: only the softmax is
+    # compiled: inline, in bf16, no SDPA kernel: its GEMMs with only the softmax opaque, or, where the C++ op
+    # builds (kernels/cpu_attention.py), the whole attention as that one op
     with r:
         out, names = profiled(lambda: torch.compile(F.scaled_dot_product_attention, fullgraph=True)(
             q, k, v, attn_mask=mask))
-    assert "aten::bmm" in names and not {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n} - {
-        "torchkiln::softmax_lastdim"}
+    opaque = {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n}
+    if r.fused:
+        assert opaque == {"torchkiln::attention_bf16"} and "aten::bmm" not in names
+    else:
+        assert "aten::bmm" in names and not opaque - {"torchkiln::softmax_lastdim"}
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
     # bf16 inputs are timed as in "auto": the bf16 form is for float32 inputs only
     r.calibrating = True
@@ -426,6 +430,39 @@ def test_opaque_softmax_form_matches_sdpa_under_compile(case):
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
 
 
+@pytest.mark.parametrize("case", ["bool_mask_dead_row", "float_mask", "mask_b1_rows", "causal", "none"])
+def test_fused_form_matches_sdpa_under_compile(case):
+    """The int8 models' compiled attention as the one C++ op (kernels/cpu_attention.py) against float64
+    SDPA: within bf16's rounding, SDPA's zeros for a row that sees no key, and the op really called
+    (causal stays the unfused form, which the op does not take)."""
+    from torchkiln.kernels import cpu_attention
+    from torchkiln.passes.sdpa_math import low_math_attention
+
+    if cpu_attention.load() is not None:
+        pytest.skip(cpu_attention.load())
+    q, k, v = qkv()
+    kw = {"is_causal": case == "causal"}
+    if case == "bool_mask_dead_row":
+        kw["attn_mask"], _ = left_padded_mask()
+        kw["attn_mask"][1, 0, 2] = False  # a row that sees no key
+    if case == "float_mask":
+        kw["attn_mask"] = torch.randn(2, 1, 16, 16)
+    if case == "mask_b1_rows":
+        m = torch.rand(1, 1, 16, 16) > 0.3
+        m[..., 0] = True
+        m[0, 0, 4] = False
+        kw["attn_mask"] = m
+
+    def f(q, k, v, m):
+        return low_math_attention(q, k, v, m, kw["is_causal"], None, False, opaque_softmax=True, fused=True)
+
+    out, names = profiled(lambda: torch.compile(f, fullgraph=True)(q, k, v, kw.get("attn_mask")))
+    assert ("torchkiln::attention_bf16" in names) == (case != "causal")
+    ref = ref_sdpa(q, k, v, **kw).nan_to_num(0.0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
+
+
 def test_opaque_softmax_only_for_the_bf16_form_when_compiled(monkeypatch):
     """The router hands the inline math-bf16 form the opaque softmax, the float math form not
     (measured slower there: FORMS); eager, both stay the custom ops."""
@@ -441,11 +478,12 @@ def test_opaque_softmax_only_for_the_bf16_form_when_compiled(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.compiler, "is_compiling", lambda: True)
             inline = r._route(b)
-        assert inline.func is sm.FORMS[form][0] and inline.keywords == {"opaque_softmax": opaque}
+        fused = {"fused": r.fused} if form == "math-bf16" else {}
+        assert inline.func is sm.FORMS[form][0] and inline.keywords == {"opaque_softmax": opaque, **fused}
     r.opaque_softmax = False  # the switch benchmarks/diag_opaque_softmax.py uses
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert r._route(b).keywords == {"opaque_softmax": False}
+        assert r._route(b).keywords == {"opaque_softmax": False, "fused": r.fused}
 
 
 @pytest.mark.parametrize("choices", [("math",), ("math", "sdpa")], ids=["one-form", "mixed"])

@@ -45,7 +45,7 @@ from ..timing import median_seconds
 
 
 def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, dropout=None,
-                   opaque_softmax: bool = False) -> torch.Tensor:
+                   opaque_softmax: bool = False, fused: bool = False) -> torch.Tensor:
     """SDPA as two batched GEMMs and a softmax, in plain traceable ops. Under torch.compile
     the router calls this inline rather than through the opaque ``torchkiln::sdpa_math``:
     inductor then fuses the mask and softmax into one C++ kernel and calls the GEMMs
@@ -54,10 +54,15 @@ def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
     ``dropout``: applied to the attention probabilities (training; passes/hash_dropout.py).
     ``opaque_softmax`` (inference only): the softmax as ``torchkiln::softmax_lastdim`` instead,
     and a mask shared by every batch and head added by the first GEMM (the router sets it
-    where measured faster: FORMS)."""
+    where measured faster: FORMS). ``fused`` (with ``opaque_softmax``, bf16 inputs): the whole
+    attention as the C++ op ``torchkiln::attention_bf16`` where it applies (_fused_attention)."""
     if enable_gqa and k.size(-3) != q.size(-3):
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    if fused and opaque_softmax and dropout is None and not q.requires_grad and not is_causal:
+        out = _fused_attention(q, k, v, attn_mask, scale)
+        if out is not None:
+            return out
     # Scaling q (L x E) is cheaper than scaling the scores (L x S), and gives a
     # contiguous operand for the batched GEMM.
     q = q * (scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
@@ -82,6 +87,25 @@ def math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
     probs = softmax_lastdim(s) if opaque else torch.softmax(s, -1)
     out = torch.matmul(probs if dropout is None else dropout(probs), v)
     return out if dead is None else out.masked_fill(dead, 0.0)
+
+
+def _fused_attention(q, k, v, attn_mask, scale):
+    """``torchkiln::attention_bf16`` (kernels/cpu_attention.cpp: oneDNN's matmuls and softmax, one op
+    called from inductor's C++ wrapper without Python): 132 against 225 us per bert-base layer for
+    this form's baddbmm + opaque softmax + bmm (bs1, seq 128, 2-core Zen 5, eager; RESULTS.md
+    "attention as one op"). None where it does not apply (then the unfused form runs)."""
+    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 4 or q.device.type != "cpu":
+        return None
+    if attn_mask is not None and (attn_mask.dim() != 4 or attn_mask.dtype not in (torch.bool, torch.bfloat16,
+                                                                                   torch.float32)):
+        return None
+    bias = None if attn_mask is None else _as_bias(attn_mask, torch.bfloat16).contiguous()
+    out = torch.ops.torchkiln.attention_bf16(q, k, v, bias, scale if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    if bias is None:
+        return out
+    # SDPA's zeros for a query row that sees no key (math_attention's ``dead``), found on the mask
+    dead = ~(bias > float("-inf")).any(-1, keepdim=True)
+    return out.masked_fill(dead, 0.0)
 
 
 def _scores_plus(q, k, attn_mask):
@@ -115,7 +139,8 @@ def _(x):
 
 
 def low_math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool,
-                       dtype: torch.dtype = torch.bfloat16, opaque_softmax: bool = False) -> torch.Tensor:
+                       dtype: torch.dtype = torch.bfloat16, opaque_softmax: bool = False,
+                       fused: bool = False) -> torch.Tensor:
     """``math_attention`` computed in ``dtype``, returned in q's dtype. Used for float32
     inputs of int8 models only, where bf16's ~0.4% rounding of the scores sits below the
     int8 activations' own error (the guard still checks the model against its quantized
@@ -126,7 +151,7 @@ def low_math_attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: b
         # seq 128, compiled, 2-core Zen 4: 4.95 ms against 5.68 with the bool mask (/tmp diag).
         attn_mask = _as_bias(attn_mask, dtype)
     out = math_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask, is_causal, scale, enable_gqa,
-                         opaque_softmax=opaque_softmax)
+                         opaque_softmax=opaque_softmax, fused=fused)
     return out.to(q.dtype)
 
 
@@ -217,6 +242,13 @@ def attention(q, k, v, attn_mask, is_causal: bool, scale, enable_gqa: bool, op=N
     return out if rows is None else out.masked_fill(~rows, 0)
 
 
+def _fused_loads() -> bool:
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False  # oneDNN's bf16 matmul and softmax are AVX-512 kernels (no win measured elsewhere)
+    from ..kernels import cpu_attention
+    return cpu_attention.load() is None
+
+
 def bind_sdpa(args, kwargs) -> dict:
     """SDPA's arguments by name, defaults filled in."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -279,6 +311,8 @@ class SDPARouter(TorchFunctionMode):
     # Read once per router, at construction (a compiled graph keeps what it was traced with):
     # benchmarks/diag_opaque_softmax.py flips it to build the other variant in the same process.
     OPAQUE_SOFTMAX = True
+    # The same for the fused attention op (math_attention's ``fused``), taken where it builds here.
+    FUSED_ATTENTION = True
 
     def __init__(self, mode: str = "auto"):
         super().__init__()
@@ -290,6 +324,9 @@ class SDPARouter(TorchFunctionMode):
         self.calibrating = False
         self.seen = 0  # attention calls met (Runner.calibrate drops a router that met none)
         self.opaque_softmax = type(self).OPAQUE_SOFTMAX
+        # Loaded (built on first use, ~10 s once per machine) here, not while traced. Only the int8
+        # models' bf16 form takes it: their error budget is the quantization's (low_math_attention).
+        self.fused = mode == "auto-bf16" and self.opaque_softmax and type(self).FUSED_ATTENTION and _fused_loads()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -336,6 +373,8 @@ class SDPARouter(TorchFunctionMode):
         inline, op, opaque = FORMS[form]
         if not torch.compiler.is_compiling():
             return getattr(torch.ops.torchkiln, op)
+        if inline is low_math_attention:
+            return functools.partial(inline, opaque_softmax=opaque and self.opaque_softmax, fused=self.fused)
         return functools.partial(inline, opaque_softmax=opaque and self.opaque_softmax)
 
     @property
