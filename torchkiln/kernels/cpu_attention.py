@@ -10,35 +10,23 @@ callers keep torch's ops.
 from __future__ import annotations
 
 import functools
-import threading
 from pathlib import Path
 
 import torch
 
-from . import build, onednn_net
+from . import onednn_net
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-_lock = threading.Lock()
 
 
 @functools.cache
 def load() -> str | None:
     """Register ``torch.ops.torchkiln.attention_bf16`` (building it if needed). None when it is
     ready; otherwise why not, in words."""
-    why = onednn_net._why_not_here()
-    if why:
-        return why
-    lib_dir, inc = onednn_net.find()
-    with _lock:
-        try:
-            # pip's oneDNN headers first: torch ships headers of its own (private) oneDNN as well
-            path = build.build(SOURCE, [f"-I{inc}"], ["-lc10", "-ltorch_cpu", f"-L{lib_dir}", "-ldnnl",
-                                                      f"-Wl,-rpath,{lib_dir}"])
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as e:
-            return f"build failed: {e}"
-    torch.library.register_fake("torchkiln::attention_bf16")(_fake)
-    return None
+    why = onednn_net.load_torch_op(SOURCE)
+    if why is None:
+        torch.library.register_fake("torchkiln::attention_bf16")(_fake)
+    return why
 
 
 def _fake(q, k, v, bias, scale):

@@ -19,6 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+
 from . import build
 
 SOURCE = Path(__file__).with_name("onednn_net.cpp")
@@ -79,6 +81,24 @@ def load() -> ctypes.CDLL | str:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
+
+
+def load_torch_op(source: Path) -> str | None:
+    """Build and register a torch op library (``cpu_attention.cpp``, ``cpu_qlinear.cpp``) that calls
+    this oneDNN from C++; None when its ops are registered, else why not, in words."""
+    why = _why_not_here()
+    if why:
+        return why
+    lib_dir, inc = find()
+    with _lock:
+        try:
+            # pip's oneDNN headers first: torch ships headers of its own (private) oneDNN as well
+            path = build.build(source, [f"-I{inc}"], ["-lc10", "-ltorch_cpu", f"-L{lib_dir}", "-ldnnl",
+                                                      f"-Wl,-rpath,{lib_dir}"])
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as e:
+            return f"build failed: {e}"
+    return None
 
 
 def ints(*values) -> ctypes.Array:

@@ -162,6 +162,7 @@ def _load() -> None:
         fold_linear_bn,
         gelu_epilogue,
         hash_dropout,
+        int8_linear,
         onednn_linear,
         pad_conv_channels,
         replace_dropout,

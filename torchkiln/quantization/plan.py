@@ -69,9 +69,24 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
         attention = "auto-bf16"
         notes.append("attention: the math form in bf16 where measured faster (native bf16 CPU)")
     passes = (quant, gemm) if gemm is not None else (quant,)
+    if cpu and qi.backend == "pt2e" and gemm is None and not has_conv and level != "O0" and INT8_LINEAR:
+        from ..kernels import cpu_qlinear
+
+        why = cpu_qlinear.load()
+        if why is None:
+            # the int8 linears as torchkiln::qlinear_u8, which keeps its oneDNN primitive (passes/int8_linear.py)
+            passes += (registry.make("int8_linear"),)
+            notes.append("int8 linears: oneDNN primitives built once (torchkiln::qlinear_u8)")
+        else:
+            notes.append(f"int8 linears: inductor's (torchkiln::qlinear_u8 unavailable: {why})")
     return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=passes,
                   attention=attention, compile=level != "O0", compile_options=options, static_shapes=static,
                   onednn_graph=int8_ops, notes=tuple(notes))
+
+
+# Whether the plan takes passes/int8_linear.py where it can (benchmarks/diag_int8_linear.py flips it
+# to build the other variant in the same process).
+INT8_LINEAR = True
 
 
 def has_conv(model) -> bool:
