@@ -7,10 +7,9 @@
 // the same brgemm kernel but looks its primitive up, rebuilds scales and zero points and allocates a
 // scratchpad on every call: 11-20 us more per call than this op at bert-base's shapes, 1.07x on the
 // whole bert-base int8 bs1 (2-core Zen 5, benchmarks/diag_int8_linear.py; RESULTS.md "int8 linears
-// as one op"). torch keeps no handle to a built
-// primitive that a graph could hold, so this op keeps its own, keyed by the weight's address and
-// checked against its storage (held weakly: a freed weight's entry is dropped, never reused for
-// another tensor at that address).
+// that keep their primitive"). torch keeps no handle to a built primitive that a graph could hold, so
+// this op keeps its own, keyed by the weight's address and checked against its storage (held weakly:
+// a freed weight's entry is dropped, never reused for another tensor at that address).
 //
 // x [..., K] uint8; w [N, K] int8 codes; w_scale [N] float32; w_zp [N] zeros (checked once per
 // weight); bias [N] float32 or absent.
