@@ -56,7 +56,6 @@ struct Cache {
   dnnl::engine eng{dnnl::engine::kind::cpu, 0};
   std::mutex lock;
   std::unordered_map<const void*, Entry> entries;
-  size_t made = 0;
 };
 
 Cache& cache() {
@@ -178,7 +177,7 @@ at::Tensor qlinear_u8(const at::Tensor& x_in, double x_scale, int64_t x_zp, cons
     auto found = c.entries.find(w.data_ptr());
     if (found == c.entries.end() || !valid(found->second, w)) {
       if (found != c.entries.end()) c.entries.erase(found);  // another tensor at a freed weight's address
-      if (++c.made % 64 == 0) sweep(c);
+      sweep(c);  // once per new weight: the packed copies of freed models' weights go as the next one comes
       TORCH_CHECK(all_zero(w_zp), "torchkiln::qlinear_u8: int8 weights must be symmetric (zero points 0): "
                   "oneDNN's are");
       found = c.entries.emplace(w.data_ptr(), Entry{}).first;
