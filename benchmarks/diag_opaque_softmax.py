@@ -67,26 +67,21 @@ def _model_ab(model_name: str, dtype: str, variants: dict, budget: float) -> dic
                            torch.device("cpu"), budget, min_rounds=30, prune=10.0)
 
 
-def _flag(value: bool):
+def _router(attr: str, value: bool):
+    """A setup that sets SDPARouter's class switch ``attr`` (read at construction) and undoes it."""
     def setup():
-        old = SDPARouter.OPAQUE_SOFTMAX
-        SDPARouter.OPAQUE_SOFTMAX = value
-
-        def undo():
-            SDPARouter.OPAQUE_SOFTMAX = old
-        return undo
+        old = getattr(SDPARouter, attr)
+        setattr(SDPARouter, attr, value)
+        return lambda: setattr(SDPARouter, attr, old)
     return setup
+
+
+def _flag(value: bool):
+    return _router("OPAQUE_SOFTMAX", value)
 
 
 def _fused(value: bool):
-    def setup():
-        old = SDPARouter.FUSED_ATTENTION
-        SDPARouter.FUSED_ATTENTION = value
-
-        def undo():
-            SDPARouter.FUSED_ATTENTION = old
-        return undo
-    return setup
+    return _router("FUSED_ATTENTION", value)
 
 
 def _merge(value: bool):

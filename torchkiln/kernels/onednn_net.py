@@ -55,19 +55,26 @@ def _why_not_here() -> str | None:
     return found if isinstance(found, str) else None
 
 
-@functools.cache
-def load() -> ctypes.CDLL | str:
-    """The runner's library (built if needed), or why it cannot be had here, in words."""
+def _built(source: Path, libs: list[str], opener) -> object | str:
+    """``opener(path)`` of ``source`` compiled against this oneDNN (built if needed), or why not, in words.
+    pip's oneDNN headers come first: torch ships headers of its own (private) oneDNN as well."""
     why = _why_not_here()
     if why:
         return why
     lib_dir, inc = find()
     with _lock:
         try:
-            path = build.build(SOURCE, [f"-I{inc}"], [f"-L{lib_dir}", "-ldnnl", f"-Wl,-rpath,{lib_dir}"])
-            lib = ctypes.CDLL(str(path))
+            return opener(build.build(source, [f"-I{inc}"], [*libs, f"-L{lib_dir}", "-ldnnl", f"-Wl,-rpath,{lib_dir}"]))
         except (OSError, RuntimeError) as e:
             return f"build failed: {e}"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | str:
+    """The runner's library (built if needed), or why it cannot be had here, in words."""
+    lib = _built(SOURCE, [], lambda path: ctypes.CDLL(str(path)))
+    if isinstance(lib, str):
+        return lib
     c_int, c_float, vp = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     sig = {
         "kn_new": (vp, []), "kn_free": (None, [vp]), "kn_error": (ctypes.c_char_p, [vp]),
@@ -86,19 +93,8 @@ def load() -> ctypes.CDLL | str:
 def load_torch_op(source: Path) -> str | None:
     """Build and register a torch op library (``cpu_attention.cpp``, ``cpu_qlinear.cpp``) that calls
     this oneDNN from C++; None when its ops are registered, else why not, in words."""
-    why = _why_not_here()
-    if why:
-        return why
-    lib_dir, inc = find()
-    with _lock:
-        try:
-            # pip's oneDNN headers first: torch ships headers of its own (private) oneDNN as well
-            path = build.build(source, [f"-I{inc}"], ["-lc10", "-ltorch_cpu", f"-L{lib_dir}", "-ldnnl",
-                                                      f"-Wl,-rpath,{lib_dir}"])
-            torch.ops.load_library(str(path))
-        except (OSError, RuntimeError) as e:
-            return f"build failed: {e}"
-    return None
+    done = _built(source, ["-lc10", "-ltorch_cpu"], lambda path: torch.ops.load_library(str(path)))
+    return done if isinstance(done, str) else None
 
 
 def ints(*values) -> ctypes.Array:
