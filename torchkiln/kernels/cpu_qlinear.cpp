@@ -38,7 +38,7 @@ using dt = memory::data_type;
 struct Plan {
   dnnl::matmul prim;
   memory packed;  // the reordered weights (shared by the plans of one weight with the same layout)
-  std::vector<float> src_scale, wei_scale, dst_scale;
+  std::vector<float> src_scale, dst_scale;
   std::vector<int32_t> src_zp, dst_zp;
   memory::desc src, dst, bias;
   size_t scratch = 0;
@@ -77,8 +77,9 @@ dnnl::algorithm post_alg(const std::string& post) {
   return dnnl::algorithm::undef;
 }
 
-std::shared_ptr<Plan> make_plan(Cache& c, Entry& e, const at::Tensor& w, int64_t M, int64_t K, int64_t N, double x_scale, int64_t x_zp,
-                                const std::string& post, double out_scale, int64_t out_zp, bool has_bias) {
+std::shared_ptr<Plan> make_plan(Cache& c, Entry& e, const at::Tensor& w, int64_t M, int64_t K, int64_t N,
+                                double x_scale, int64_t x_zp, const std::string& post, double out_scale,
+                                int64_t out_zp, bool has_bias) {
   auto p = std::make_shared<Plan>();
   p->u8_out = out_scale > 0;
   p->src = memory::desc({M, K}, dt::u8, memory::format_tag::ab);
@@ -168,8 +169,9 @@ at::Tensor qlinear_u8(const at::Tensor& x_in, double x_scale, int64_t x_zp, cons
                 "torchkiln::qlinear_u8: bias must hold ", N, " contiguous float32 values");
   at::Tensor x = x_in.contiguous();
   const int64_t M = x.numel() / K;
+  // what the primitive is built from (the scales and bias themselves are passed at each call)
   std::vector<int64_t> key{M, K, N, bits(x_scale), x_zp, bits(out_scale), out_zp, (int64_t)post_alg(post),
-                           bias ? (int64_t)bias->data_ptr() : 0, (int64_t)w_scale.data_ptr()};
+                           bias.has_value()};
   Cache& c = cache();
   std::shared_ptr<Plan> p;
   {

@@ -14,7 +14,6 @@ import torch
 from . import onednn_net
 
 SOURCE = Path(__file__).with_name("cpu_qlinear.cpp")
-POSTS = ("none", "gelu_erf", "gelu_tanh")
 
 
 @functools.cache

@@ -74,7 +74,9 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
 
         why = cpu_qlinear.load()
         if why is None:
-            # the int8 linears as torchkiln::qlinear_u8, which keeps its oneDNN primitive (passes/int8_linear.py)
+            # the int8 linears as torchkiln::qlinear_u8, which keeps its oneDNN primitive (passes/int8_linear.py).
+            # Not for conv graphs: their linears are a head (a small share), and their faster candidates
+            # (int8 modules, int8 net) do not compile the graph
             passes += (registry.make("int8_linear"),)
             notes.append("int8 linears: oneDNN primitives built once (torchkiln::qlinear_u8)")
         else:
