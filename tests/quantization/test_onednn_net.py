@@ -145,7 +145,7 @@ def test_graphs_it_cannot_hold_are_refused_with_the_reason():
 def test_pooled_size_is_torchs(size, k, s, p):
     for ceil in (False, True):
         want = nn.functional.max_pool2d(torch.zeros(1, 1, size, size), k, s, p, ceil_mode=ceil).shape[-1]
-        assert onednn_net._pooled(size, k, s, p, ceil) == want
+        assert kernel._pooled(size, k, s, p, ceil) == want
 
 
 def test_a_missing_onednn_is_named(monkeypatch, tmp_path):

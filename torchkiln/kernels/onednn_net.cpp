@@ -1,6 +1,8 @@
-// torchkiln's int8 CNN runner: a whole quantized conv net (convolutions with their fused ReLU and
-// residual add, pooling, the input's quantize and the output's dequantize) executed as a list of
-// oneDNN primitives built once per input shape, from one C call per forward.
+// torchkiln's CNN runner: a whole conv net (convolutions with their fused ReLU and residual add,
+// pooling, the input's reorder or quantize and the output's) executed as a list of oneDNN primitives
+// built once per input shape, from one C call per forward. Two forms: int8 (u8 NHWC activations, the
+// pt2e graph's scales) and float32 (NHWC activations; 3x3 stride-1 convolutions may run as Winograd
+// F(4x4, 3x3), below).
 //
 // Why it is hand-written: torch's quantized conv ops run the same oneDNN kernels, but each call
 // also allocates its output, rebuilds scales and attributes and looks its primitive up: 6-20 us per
@@ -10,10 +12,24 @@
 // cached oneDNN Graph partitions; torch's wheel exports no oneDNN symbols, so this
 // links the oneDNN that pip's `onednn-cpu-gomp` ships, which runs on the libgomp torch has loaded.
 //
-// The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new, then kn_input /
-// kn_conv / kn_pool / kn_output in graph order (each returns a tensor id, or -1 with kn_error set),
-// kn_finalize (primitives, buffers), kn_run per call. A net is not reentrant: callers serialise.
+// Why Winograd is hand-written: oneDNN 3.x dropped its CPU Winograd convolutions, and its direct
+// 3x3 kernels already run near this machine's FMA rate (brgconv: 480-590 GFLOP/s on 2 Zen 5 cores),
+// so fewer multiplies is the one way left to go faster. F(4x4, 3x3) does a 3x3 convolution's work as
+// 36 GEMMs of a quarter the size (oneDNN's batched matmul) between two small transforms. Against
+// oneDNN's direct kernel, resnet50's bs1 3x3 convolutions: 56x56x64 2.4x, 28x28x128 2.7x,
+// 14x14x256 2.0x faster, 7x7x512 0.7x (there the 4x larger transformed weights are read from
+// memory; RESULTS.md "Winograd"). Its rounding differs from the direct sum by about 5e-6 of the
+// output's range in float32 (cuDNN's and the old oneDNN's Winograd are used the same way), and
+// each eligible convolution takes it only where finalize timed it faster than the direct kernel.
+//
+// The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new(dtype, winograd),
+// then kn_input / kn_conv / kn_pool / kn_output in graph order (each
+// returns a tensor id, or -1 with kn_error set), kn_finalize (primitives, buffers, the Winograd
+// choice), kn_run per call. A net is not reentrant: callers serialise.
 #include <oneapi/dnnl/dnnl.hpp>
+#include <omp.h>
+
+#include <chrono>
 
 #include <algorithm>
 #include <cstdint>
@@ -29,7 +45,7 @@ using tag = memory::format_tag;
 
 namespace {
 
-struct Tensor {  // a uint8 activation, NHWC, with its quantization
+struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32
   memory::dims dims;  // N, C, H, W
   float scale;
   int zp;
@@ -41,6 +57,7 @@ struct Op {
   int src = -1, other = -1, dst = -1;
   // conv
   std::vector<int8_t> weight;  // OIHW codes (G*O/G, I/G, KH, KW)
+  std::vector<float> fweight;  // float32 net: OIHW weights
   std::vector<float> wscale, bias, sscale, dscale;
   memory::dims wdims, strides, pad_l, pad_r, dil;
   int groups = 1;
@@ -53,15 +70,31 @@ struct Op {
   std::unordered_map<int, memory> args;
   memory wmem, bmem, zp_src, zp_dst, sc_src, sc_w, sc_dst;
   bool copy_other = false;  // the residual operand is read later: copy it into dst before the conv
+  // Winograd forms of a float 3x3 stride-1 convolution (see the top of the file): F(4x4, 3x3) and
+  // F(2x2, 3x3); `form` is the one that runs (-1: the direct primitive)
+  struct Wino {
+    int m = 0;  // output tile: 4 or 2
+    int64_t tiles_h = 0, tiles_w = 0, tiles = 0;
+    primitive gemm;
+    std::unordered_map<int, memory> args;
+    memory u;  // transformed weights ((m + 2)^2, C, K) in the matmul's layout
+  };
+  std::vector<Wino> winos;
+  int form = -1;
+  float* src_ptr = nullptr;
+  float* dst_ptr = nullptr;
 };
 
 struct Net {
+  bool f32 = false;
+  int winograd = 0;  // 0: direct kernels only; 1: each eligible convolution's fastest form; 4, 2: that tile
   engine eng{engine::kind::cpu, 0};
   stream strm{eng};
   std::vector<Tensor> tensors;
   std::vector<Op> ops;
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<uint8_t> scratch;
+  memory wino_v, wino_m;  // the Winograd convolutions' transformed input and GEMM output, shared
   memory::dims in_dims;
   memory in_mem, out_mem;
   bool out_flat = false;
@@ -69,11 +102,18 @@ struct Net {
 };
 
 memory::desc nhwc(const Tensor& t) { return memory::desc(t.dims, dt::u8, tag::nhwc); }
+// NHWC is the layout oneDNN's float brgconv kernels pick for themselves ("any"); given nChw16c
+// instead, oneDNN 3.2 runs its older jit kernels (resnet50's 7x7x512 3x3 convolution: 402 us NHWC,
+// 520 us nChw16c on 2 Zen 5 cores)
+memory::desc act(const Net* n, const Tensor& t) {
+  return n->f32 ? memory::desc(t.dims, dt::f32, tag::nhwc) : nhwc(t);
+}
 memory::dim numel(const memory::dims& d) {
   memory::dim n = 1;
   for (auto v : d) n *= v;
   return n;
 }
+size_t bytes(const Net* n, const Tensor& t) { return (size_t)numel(t.dims) * (n->f32 ? 4 : 1); }
 
 memory scalar_f32(const engine& e, std::vector<float>& v) {
   return memory({{(memory::dim)v.size()}, dt::f32, tag::x}, e, v.data());
@@ -99,6 +139,179 @@ int add_tensor(Net* n, memory::dims dims, float scale, int zp) {
   return (int)n->tensors.size() - 1;
 }
 
+// ---- Winograd F(m x m, 3x3), Lavin & Gray's transforms: (m + 2)^2 inputs give m x m outputs ----
+struct F43 {
+  static constexpr int M = 4, A = 6;
+  static constexpr float BT[6][6] = {{4, 0, -5, 0, 1, 0}, {0, -4, -4, 1, 1, 0}, {0, 4, -4, -1, 1, 0},
+                                     {0, -2, -1, 2, 1, 0}, {0, 2, -1, -2, 1, 0}, {0, 4, 0, -5, 0, 1}};
+  static constexpr float G[6][3] = {{1.f / 4, 0, 0},           {-1.f / 6, -1.f / 6, -1.f / 6},
+                                    {-1.f / 6, 1.f / 6, -1.f / 6}, {1.f / 24, 1.f / 12, 1.f / 6},
+                                    {1.f / 24, -1.f / 12, 1.f / 6}, {0, 0, 1}};
+  static constexpr float AT[4][6] = {{1, 1, 1, 1, 1, 0}, {0, 1, -1, 2, -2, 0}, {0, 1, 1, 4, 4, 0}, {0, 1, -1, 8, -8, 1}};
+};
+struct F23 {
+  static constexpr int M = 2, A = 4;
+  static constexpr float BT[4][4] = {{1, 0, -1, 0}, {0, 1, 1, 0}, {0, -1, 1, 0}, {0, 1, 0, -1}};
+  static constexpr float G[4][3] = {{1, 0, 0}, {.5f, .5f, .5f}, {.5f, -.5f, .5f}, {0, 0, 1}};
+  static constexpr float AT[2][4] = {{1, 1, 1, 0}, {0, 1, -1, -1}};
+};
+
+bool wino_eligible(const Net* n, const Op& op) {
+  const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
+  return n->f32 && n->winograd != 0 && op.groups == 1 && op.wdims[2] == 3 && op.wdims[3] == 3 &&
+         op.strides == memory::dims{1, 1} && op.dil == memory::dims{0, 0} && op.pad_l == memory::dims{1, 1} &&
+         op.pad_r == memory::dims{1, 1} && s.dims[1] % 16 == 0 && d.dims[1] % 16 == 0;
+}
+
+// One tile and 16 channels: x (NHWC image) -> v ((A*A, T, C)), zero outside the image
+template <class F>
+inline __attribute__((always_inline)) void input_tile(const float* img, int64_t C, int64_t H, int64_t W, int64_t y0,
+                                                      int64_t x0, int64_t T, int64_t t, float* v) {
+  constexpr int A = F::A;
+  float d[A][A][16], m[A][A][16];
+  for (int i = 0; i < A; i++)
+    for (int j = 0; j < A; j++) {
+      const int64_t y = y0 + i, xx = x0 + j;
+      const bool in = y >= 0 && y < H && xx >= 0 && xx < W;
+      const float* p = img + (y * W + xx) * C;
+      for (int c = 0; c < 16; c++) d[i][j][c] = in ? p[c] : 0.f;
+    }
+  for (int i = 0; i < A; i++)
+    for (int j = 0; j < A; j++)
+      for (int c = 0; c < 16; c++) {
+        float acc = 0;
+        for (int k = 0; k < A; k++) acc += F::BT[i][k] * d[k][j][c];
+        m[i][j][c] = acc;
+      }
+  for (int i = 0; i < A; i++)
+    for (int j = 0; j < A; j++) {
+      float* o = v + ((i * A + j) * T + t) * C;
+      for (int c = 0; c < 16; c++) {
+        float acc = 0;
+        for (int k = 0; k < A; k++) acc += m[i][k][c] * F::BT[j][k];
+        o[c] = acc;
+      }
+    }
+}
+
+// One tile and 16 channels: r ((A*A, T, K)) -> y (NHWC image), plus bias, plus what y holds (sum), ReLU
+template <class F>
+inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K, int64_t H, int64_t W, int64_t y0,
+                                                       int64_t x0, int64_t T, int64_t t, const float* bias, bool sum,
+                                                       bool relu, float* img) {
+  constexpr int A = F::A, M = F::M;
+  float q[A][A][16], a[M][A][16];
+  for (int i = 0; i < A; i++)
+    for (int j = 0; j < A; j++) {
+      const float* p = r + ((i * A + j) * T + t) * K;
+      for (int c = 0; c < 16; c++) q[i][j][c] = p[c];
+    }
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < A; j++)
+      for (int c = 0; c < 16; c++) {
+        float acc = 0;
+        for (int k = 0; k < A; k++) acc += F::AT[i][k] * q[k][j][c];
+        a[i][j][c] = acc;
+      }
+  for (int i = 0; i < M && y0 + i < H; i++)
+    for (int j = 0; j < M && x0 + j < W; j++) {
+      float* o = img + ((y0 + i) * W + x0 + j) * K;
+      for (int c = 0; c < 16; c++) {
+        float acc = bias ? bias[c] : 0.f;
+        for (int k = 0; k < A; k++) acc += a[i][k][c] * F::AT[j][k];
+        if (sum) acc += o[c];
+        o[c] = relu && acc < 0 ? 0.f : acc;
+      }
+    }
+}
+
+// x: NHWC -> v: (A*A, T, C), T = N * th * tw tiles of m x m outputs
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void wino_input(int mt, const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t th, int64_t tw, float* v) {
+  const int64_t T = N * th * tw, CB = C / 16;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t cb = 0; cb < CB; cb++) {
+      const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt - 1, x0 = (t % tw) * mt - 1;
+      const float* img = x + b * H * W * C + cb * 16;
+      if (mt == 4)
+        input_tile<F43>(img, C, H, W, y0, x0, T, t, v + cb * 16);
+      else
+        input_tile<F23>(img, C, H, W, y0, x0, T, t, v + cb * 16);
+    }
+}
+
+// r: (A*A, T, K) -> y: NHWC
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void wino_output(int mt, const float* r, int64_t N, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw,
+                 const float* bias, bool sum, bool relu, float* y) {
+  const int64_t T = N * th * tw, KB = K / 16;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t kb = 0; kb < KB; kb++) {
+      const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt, x0 = (t % tw) * mt;
+      float* img = y + b * H * W * K + kb * 16;
+      const float* bk = bias ? bias + kb * 16 : nullptr;
+      if (mt == 4)
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, img);
+      else
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, img);
+    }
+}
+
+// The weights' transform G g G^T for every (K, C) pair, as (A*A, C, K)
+template <class F>
+std::vector<float> transform_weights(const std::vector<float>& w, int64_t K, int64_t C) {
+  constexpr int A = F::A;
+  std::vector<float> u((size_t)A * A * C * K);
+  for (int64_t k = 0; k < K; k++)
+    for (int64_t c = 0; c < C; c++) {
+      const float* g = &w[(k * C + c) * 9];
+      float gg[A][3];
+      for (int i = 0; i < A; i++)
+        for (int j = 0; j < 3; j++) gg[i][j] = F::G[i][0] * g[j] + F::G[i][1] * g[3 + j] + F::G[i][2] * g[6 + j];
+      for (int i = 0; i < A; i++)
+        for (int j = 0; j < A; j++)
+          u[((i * A + j) * C + c) * K + k] = gg[i][0] * F::G[j][0] + gg[i][1] * F::G[j][1] + gg[i][2] * F::G[j][2];
+    }
+  return u;
+}
+
+// one Winograd form of an eligible convolution: its transformed weights and batched GEMM
+void build_wino(Net* n, Op& op, int mt) {
+  const Tensor& s = n->tensors[op.src];
+  const int64_t C = op.wdims[1], K = op.wdims[0], A = mt + 2;
+  Op::Wino f;
+  f.m = mt;
+  f.tiles_h = (s.dims[2] + mt - 1) / mt;
+  f.tiles_w = (s.dims[3] + mt - 1) / mt;
+  f.tiles = s.dims[0] * f.tiles_h * f.tiles_w;
+  std::vector<float> u = mt == 4 ? transform_weights<F43>(op.fweight, K, C) : transform_weights<F23>(op.fweight, K, C);
+  primitive_attr attr;
+  attr.set_scratchpad_mode(scratchpad_mode::user);
+  auto pd = matmul::primitive_desc(n->eng, memory::desc({A * A, f.tiles, C}, dt::f32, tag::abc),
+                                   memory::desc({A * A, C, K}, dt::f32, tag::any),
+                                   memory::desc({A * A, f.tiles, K}, dt::f32, tag::abc), attr);
+  memory plain({{A * A, C, K}, dt::f32, tag::abc}, n->eng, u.data());
+  f.u = memory(pd.weights_desc(), n->eng);
+  reorder(plain, f.u).execute(n->strm, plain, f.u);
+  n->strm.wait();
+  n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
+  f.gemm = matmul(pd);
+  op.winos.push_back(std::move(f));
+}
+
+void run_wino(Net* n, Op& op) {
+  const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
+  Op::Wino& f = op.winos[op.form];
+  wino_input(f.m, op.src_ptr, s.dims[0], s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w,
+             static_cast<float*>(n->wino_v.get_data_handle()));
+  f.gemm.execute(n->strm, f.args);
+  wino_output(f.m, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[0], d.dims[1], d.dims[2],
+              d.dims[3], f.tiles_h, f.tiles_w, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
+              op.dst_ptr);
+}
+
 void build_conv(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   memory::dims wd = op.wdims;
@@ -109,45 +322,57 @@ void build_conv(Net* n, Op& op) {
   }
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
-  attr.set_scales_mask(DNNL_ARG_SRC, 0);
-  attr.set_scales_mask(DNNL_ARG_WEIGHTS, mask);
-  attr.set_scales_mask(DNNL_ARG_DST, 0);
-  if (s.zp) attr.set_zero_points_mask(DNNL_ARG_SRC, 0);
-  if (d.zp) attr.set_zero_points_mask(DNNL_ARG_DST, 0);
   post_ops po;
-  if (op.other >= 0) {  // residual: dst holds the other operand; sum adds scale * (code - zp) of it
-    const Tensor& o = n->tensors[op.other];
-    po.append_sum(o.scale, o.zp, dt::u8);
+  if (!n->f32) {
+    attr.set_scales_mask(DNNL_ARG_SRC, 0);
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, mask);
+    attr.set_scales_mask(DNNL_ARG_DST, 0);
+    if (s.zp) attr.set_zero_points_mask(DNNL_ARG_SRC, 0);
+    if (d.zp) attr.set_zero_points_mask(DNNL_ARG_DST, 0);
+    if (op.other >= 0) {  // residual: dst holds the other operand; sum adds scale * (code - zp) of it
+      const Tensor& o = n->tensors[op.other];
+      po.append_sum(o.scale, o.zp, dt::u8);
+    }
+  } else if (op.other >= 0) {
+    po.append_sum(1.f);
   }
   if (op.relu) po.append_eltwise(algorithm::eltwise_relu, 0.f, 0.f);
   attr.set_post_ops(po);
-  auto wany = memory::desc(wd, dt::s8, tag::any);
+  const dt wt = n->f32 ? dt::f32 : dt::s8;
+  auto wany = memory::desc(wd, wt, tag::any);
   auto bmd = op.has_bias ? memory::desc({d.dims[1]}, dt::f32, tag::a) : memory::desc();
   auto pd = convolution_forward::primitive_desc(n->eng, prop_kind::forward_inference,
-                                                algorithm::convolution_direct, nhwc(s), wany, bmd, nhwc(d),
+                                                algorithm::convolution_direct, act(n, s), wany, bmd, act(n, d),
                                                 op.strides, op.dil, op.pad_l, op.pad_r, attr);
   // weights reordered once into the kernel's own layout
-  memory plain({wd, dt::s8, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, op.weight.data());
+  void* wsrc = n->f32 ? (void*)op.fweight.data() : (void*)op.weight.data();
+  memory plain({wd, wt, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, wsrc);
   op.wmem = memory(pd.weights_desc(), n->eng);
   reorder(plain, op.wmem).execute(n->strm, plain, op.wmem);
   n->strm.wait();
-  op.weight.clear();
-  op.weight.shrink_to_fit();
-  op.sscale = {s.scale};
-  op.dscale = {d.scale};
-  op.sc_src = scalar_f32(n->eng, op.sscale);
-  op.sc_w = scalar_f32(n->eng, op.wscale);
-  op.sc_dst = scalar_f32(n->eng, op.dscale);
-  op.args = {{DNNL_ARG_WEIGHTS, op.wmem},
-             {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, op.sc_src},
-             {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, op.sc_w},
-             {DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, op.sc_dst}};
+  if (wino_eligible(n, op)) {
+    build_wino(n, op, 4);
+    build_wino(n, op, 2);
+  }
+  op.weight = {};
+  op.fweight = {};
+  op.args = {{DNNL_ARG_WEIGHTS, op.wmem}};
+  if (!n->f32) {
+    op.sscale = {s.scale};
+    op.dscale = {d.scale};
+    op.sc_src = scalar_f32(n->eng, op.sscale);
+    op.sc_w = scalar_f32(n->eng, op.wscale);
+    op.sc_dst = scalar_f32(n->eng, op.dscale);
+    op.args[DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC] = op.sc_src;
+    op.args[DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS] = op.sc_w;
+    op.args[DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST] = op.sc_dst;
+    if (s.zp) op.args[DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC] = op.zp_src = scalar_s32(n->eng, s.zp);
+    if (d.zp) op.args[DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST] = op.zp_dst = scalar_s32(n->eng, d.zp);
+  }
   if (op.has_bias) {
     op.bmem = memory(bmd, n->eng, op.bias.data());
     op.args[DNNL_ARG_BIAS] = op.bmem;
   }
-  if (s.zp) op.args[DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC] = op.zp_src = scalar_s32(n->eng, s.zp);
-  if (d.zp) op.args[DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST] = op.zp_dst = scalar_s32(n->eng, d.zp);
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   op.prim = convolution_forward(pd);
 }
@@ -156,15 +381,22 @@ void build_pool(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
-  auto pd = pooling_forward::primitive_desc(n->eng, prop_kind::forward_inference, op.alg, nhwc(s), nhwc(d),
+  auto pd = pooling_forward::primitive_desc(n->eng, prop_kind::forward_inference, op.alg, act(n, s), act(n, d),
                                             op.strides, op.kernel, op.dil, op.pad_l, op.pad_r, attr);
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   op.prim = pooling_forward(pd);
 }
 
-// quantize (f32 NCHW -> u8 NHWC) or dequantize (u8 -> f32, NCHW or (N, C)) as one reorder
+// quantize (f32 NCHW -> u8 NHWC) or dequantize (u8 -> f32, NCHW or (N, C)) as one reorder; in a
+// float net, NCHW to and from the activations' layout (a flattened output is NCHW's bytes)
 void build_reorder(Net* n, Op& op, bool quantize) {
   const Tensor& t = n->tensors[quantize ? op.dst : op.src];
+  if (n->f32) {
+    memory::desc plain(t.dims, dt::f32, tag::nchw);
+    op.prim = reorder(quantize ? reorder::primitive_desc(n->eng, plain, n->eng, act(n, t))
+                               : reorder::primitive_desc(n->eng, act(n, t), n->eng, plain));
+    return;
+  }
   memory::desc plain = (!quantize && n->out_flat) ? memory::desc({t.dims[0], t.dims[1] * t.dims[2] * t.dims[3]},
                                                                  dt::f32, tag::ab)
                                                   : memory::desc(t.dims, dt::f32, tag::nchw);
@@ -183,11 +415,98 @@ void build_reorder(Net* n, Op& op, bool quantize) {
   op.prim = reorder(pd);
 }
 
+// the shared transform buffers (sized for the largest Winograd form) and each form's arguments
+bool bind_wino(Net* n, memory& scratch) {
+  size_t v = 0, m = 0;
+  for (auto& op : n->ops)
+    for (auto& f : op.winos) {
+      const int64_t a2 = (f.m + 2) * (f.m + 2);
+      v = std::max<size_t>(v, (size_t)a2 * f.tiles * op.wdims[1]);
+      m = std::max<size_t>(m, (size_t)a2 * f.tiles * op.wdims[0]);
+    }
+  if (!v) return false;
+  n->wino_v = memory({{(memory::dim)v}, dt::f32, tag::a}, n->eng);
+  n->wino_m = memory({{(memory::dim)m}, dt::f32, tag::a}, n->eng);
+  for (auto& op : n->ops) {
+    if (op.winos.empty()) continue;
+    op.src_ptr = reinterpret_cast<float*>(n->buffers[n->tensors[op.src].buffer].data());
+    op.dst_ptr = reinterpret_cast<float*>(n->buffers[n->tensors[op.dst].buffer].data());
+    for (auto& f : op.winos) {
+      const int64_t a2 = (f.m + 2) * (f.m + 2);
+      f.args = {{DNNL_ARG_SRC, memory({{a2, f.tiles, op.wdims[1]}, dt::f32, tag::abc}, n->eng, n->wino_v.get_data_handle())},
+                {DNNL_ARG_WEIGHTS, f.u},
+                {DNNL_ARG_DST, memory({{a2, f.tiles, op.wdims[0]}, dt::f32, tag::abc}, n->eng, n->wino_m.get_data_handle())},
+                {DNNL_ARG_SCRATCHPAD, scratch}};
+    }
+  }
+  return true;
+}
+
+// One call of the whole net; with ``times``, each op's least seconds so far are kept in it.
+void run_ops(Net* n, std::vector<double>* times) {
+  for (size_t i = 0; i < n->ops.size(); i++) {
+    Op& op = n->ops[i];
+    auto t0 = std::chrono::steady_clock::now();
+    if (op.copy_other) {
+      Tensor &o = n->tensors[op.other], &d = n->tensors[op.dst];
+      std::memcpy(n->buffers[d.buffer].data(), n->buffers[o.buffer].data(), bytes(n, d));
+    }
+    if (op.form >= 0) {
+      run_wino(n, op);
+    } else {
+      op.prim.execute(n->strm, op.args);
+      n->strm.wait();  // a CPU stream runs in order anyway; the Winograd transforms read what it wrote
+    }
+    if (times)
+      (*times)[i] = std::min((*times)[i], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+}
+
+// Each eligible convolution runs in the form that timed fastest inside whole runs of the net (the
+// direct kernel, F(4x4, 3x3), F(2x2, 3x3); the least of 5 calls each after a warm-up, on a zero
+// input: a sum of 3 flipped between the two Winograd forms from build to build). Alone,
+// with its weights and buffers hot in cache, Winograd timed 1.5-2x faster than it runs between the
+// net's other layers; the unchosen forms' weights are then freed.
+void choose_wino(Net* n) {
+  if (n->winograd == 4 || n->winograd == 2) {
+    for (auto& op : n->ops)
+      if (!op.winos.empty()) {
+        op.form = n->winograd == 4 ? 0 : 1;
+        op.winos[1 - op.form] = Op::Wino();
+      }
+    return;
+  }
+  std::vector<float> in((size_t)numel(n->in_dims)), out(n->out_mem.get_desc().get_size() / sizeof(float));
+  n->in_mem.set_data_handle(in.data());
+  n->out_mem.set_data_handle(out.data());
+  std::vector<std::vector<double>> t(3, std::vector<double>(n->ops.size(), 1e30));
+  for (int form = -1; form < 2; form++) {
+    for (auto& op : n->ops) op.form = op.winos.empty() ? -1 : form;
+    run_ops(n, nullptr);
+    for (int r = 0; r < 5; r++) run_ops(n, &t[form + 1]);
+  }
+  for (size_t i = 0; i < n->ops.size(); i++) {
+    Op& op = n->ops[i];
+    op.form = -1;
+    for (int form = 0; form < (int)op.winos.size(); form++)
+      if (t[form + 1][i] < t[op.form + 1][i]) op.form = form;
+    for (int form = 0; form < (int)op.winos.size(); form++)
+      if (form != op.form) op.winos[form] = Op::Wino();
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-void* kn_new() { return new Net(); }
+// dtype: 0 int8 (u8 activations), 1 float32; winograd: 0 never, 1 where timed fastest, 4 or 2 the
+// F(4x4, 3x3) or F(2x2, 3x3) form wherever eligible (for tests)
+void* kn_new(int dtype, int winograd) {
+  Net* n = new Net();
+  n->f32 = dtype == 1;
+  n->winograd = winograd;
+  return n;
+}
 void kn_free(void* net) { delete static_cast<Net*>(net); }
 const char* kn_error(void* net) { return static_cast<Net*>(net)->error.c_str(); }
 
@@ -203,9 +522,10 @@ int kn_input(void* net, int64_t nb, int64_t c, int64_t h, int64_t w, float scale
   });
 }
 
-// weight: OIHW int8 codes (O = all output channels, I = input channels per group); pads: t, l, b, r
+// weight: OIHW (O = all output channels, I = input channels per group), int8 codes with their
+// per-channel wscale, or float32 in a float net (wscale, scale and zp unused); pads: t, l, b, r
 int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw, const int64_t* stride,
-            const int64_t* pads, const int64_t* dilation, int64_t groups, const int8_t* weight,
+            const int64_t* pads, const int64_t* dilation, int64_t groups, const void* weight,
             const float* wscale, const float* bias, float scale, int zp, int relu) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
@@ -218,8 +538,12 @@ int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw
     op.relu = relu != 0;
     int64_t in_per_group = s.dims[1] / groups;
     op.wdims = {out_c, in_per_group, kh, kw};
-    op.weight.assign(weight, weight + numel(op.wdims));
-    op.wscale.assign(wscale, wscale + out_c);
+    if (n->f32) {
+      op.fweight.assign((const float*)weight, (const float*)weight + numel(op.wdims));
+    } else {
+      op.weight.assign((const int8_t*)weight, (const int8_t*)weight + numel(op.wdims));
+      op.wscale.assign(wscale, wscale + out_c);
+    }
     op.has_bias = bias != nullptr;
     if (bias) op.bias.assign(bias, bias + out_c);
     op.strides = {stride[0], stride[1]};
@@ -290,18 +614,18 @@ int kn_finalize(void* net) {
       Op& op = n->ops[i];
       if (op.dst >= 0) {
         Tensor& d = n->tensors[op.dst];
-        size_t bytes = (size_t)numel(d.dims);
+        size_t size = bytes(n, d);
         if (op.other >= 0 && last[op.other] == i && op.other != op.src) {
           d.buffer = n->tensors[op.other].buffer;  // the sum post-op accumulates in place
         } else {
           op.copy_other = op.other >= 0;
           auto it = std::find_if(free_list.begin(), free_list.end(),
-                                 [&](auto& f) { return f.first >= bytes; });
+                                 [&](auto& f) { return f.first >= size; });
           if (it != free_list.end()) {
             d.buffer = it->second;
             free_list.erase(it);
           } else {
-            n->buffers.emplace_back(bytes);
+            n->buffers.emplace_back(size);
             d.buffer = (int)n->buffers.size() - 1;
           }
         }
@@ -326,13 +650,18 @@ int kn_finalize(void* net) {
     memory scratch(memory::desc({(memory::dim)n->scratch.size()}, dt::u8, tag::x), n->eng, n->scratch.data());
     auto mem = [&](int t) {
       Tensor& x = n->tensors[t];
-      return memory(nhwc(x), n->eng, n->buffers[x.buffer].data());
+      return memory(act(n, x), n->eng, n->buffers[x.buffer].data());
     };
     for (auto& op : n->ops) {
       if (op.kind == Op::INPUT) {
         n->in_mem = memory({n->in_dims, dt::f32, tag::nchw}, n->eng, nullptr);
         op.args[DNNL_ARG_FROM] = n->in_mem;
         op.args[DNNL_ARG_TO] = mem(op.dst);
+      } else if (op.kind == Op::OUTPUT && n->f32) {
+        Tensor& x = n->tensors[op.src];
+        op.args[DNNL_ARG_FROM] = mem(op.src);
+        n->out_mem = memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr);
+        op.args[DNNL_ARG_TO] = n->out_mem;
       } else if (op.kind == Op::OUTPUT) {
         Tensor& x = n->tensors[op.src];
         memory::dims flat{x.dims[0], numel(x.dims) / x.dims[0]};
@@ -347,8 +676,21 @@ int kn_finalize(void* net) {
         op.args[DNNL_ARG_SCRATCHPAD] = scratch;
       }
     }
+    if (bind_wino(n, scratch)) choose_wino(n);
     return 0;
   });
+}
+
+// each eligible convolution's form, in graph order: its Winograd output tile (4 or 2), or 0 (direct)
+int kn_winograd(void* net, int* out, int cap) {
+  Net* n = static_cast<Net*>(net);
+  int k = 0;
+  for (auto& op : n->ops)
+    if (!op.winos.empty()) {
+      if (k < cap) out[k] = op.form < 0 ? 0 : op.winos[op.form].m;
+      k++;
+    }
+  return k;
 }
 
 int kn_run(void* net, const float* in, float* out) {
@@ -356,14 +698,7 @@ int kn_run(void* net, const float* in, float* out) {
   return guarded(n, [&] {
     n->in_mem.set_data_handle(const_cast<float*>(in));
     n->out_mem.set_data_handle(out);
-    for (auto& op : n->ops) {
-      if (op.copy_other) {
-        Tensor &o = n->tensors[op.other], &d = n->tensors[op.dst];
-        std::memcpy(n->buffers[d.buffer].data(), n->buffers[o.buffer].data(), (size_t)numel(d.dims));
-      }
-      op.prim.execute(n->strm, op.args);
-    }
-    n->strm.wait();
+    run_ops(n, nullptr);
     return 0;
   });
 }

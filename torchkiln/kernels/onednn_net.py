@@ -1,4 +1,7 @@
-"""Loading ``onednn_net.cpp`` (torchkiln's int8 CNN runner on oneDNN's primitives) through ctypes.
+"""Loading and calling ``onednn_net.cpp`` (torchkiln's CNN runner on oneDNN's primitives) through
+ctypes: a conv net as a ``Program`` (steps over value slots), built into one C ``Net`` per input
+shape and called by a ``Runner`` module. Its front ends make the Program: the int8 one from a pt2e
+graph (quantization/onednn_net.py), the float32 one from a traced model (passes/onednn_conv_net.py).
 
 It links the oneDNN of pip's ``onednn-cpu-gomp`` wheel (with ``onednn-devel-cpu-gomp`` for the
 headers: ``pip install "torchkiln[onednn]"``), because torch's wheel keeps its own oneDNN private.
@@ -17,10 +20,13 @@ import platform
 import site
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from ..passes.onednn_graph import Unsupported
 from . import build
 
 SOURCE = Path(__file__).with_name("onednn_net.cpp")
@@ -72,17 +78,19 @@ def _built(source: Path, libs: list[str], opener) -> object | str:
 @functools.cache
 def load() -> ctypes.CDLL | str:
     """The runner's library (built if needed), or why it cannot be had here, in words."""
-    lib = _built(SOURCE, [], lambda path: ctypes.CDLL(str(path)))
+    # -fopenmp: the Winograd transforms' loops, on the libgomp torch and this oneDNN already share
+    lib = _built(SOURCE, ["-fopenmp"], lambda path: ctypes.CDLL(str(path)))
     if isinstance(lib, str):
         return lib
     c_int, c_float, vp = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     sig = {
-        "kn_new": (vp, []), "kn_free": (None, [vp]), "kn_error": (ctypes.c_char_p, [vp]),
+        "kn_new": (vp, [c_int, c_int]), "kn_free": (None, [vp]), "kn_error": (ctypes.c_char_p, [vp]),
         "kn_input": (c_int, [vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c_float, c_int]),
         "kn_conv": (c_int, [vp, c_int, c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P,
                             ctypes.c_int64, vp, vp, vp, c_float, c_int, c_int]),
         "kn_pool": (c_int, [vp, c_int, c_int, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64]),
         "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, vp]),
+        "kn_winograd": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -99,3 +107,157 @@ def load_torch_op(source: Path) -> str | None:
 
 def ints(*values) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
+
+
+@dataclass
+class Conv:
+    src: int
+    other: int | None  # a residual added before the ReLU (oneDNN's sum post-op)
+    weight: torch.Tensor  # OIHW: int8 codes, or float32 in a float program
+    wscale: torch.Tensor | None  # int8: float32, one per output channel
+    bias: torch.Tensor | None
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    groups: int
+    scale: float  # int8: the output's quantization
+    zp: int
+    relu: bool
+
+
+@dataclass
+class Pool:
+    src: int
+    avg: bool
+    kernel: tuple | None  # None: adaptive, to `size`
+    stride: tuple | None
+    padding: tuple
+    ceil: bool = False
+    size: tuple | None = None
+
+
+@dataclass
+class Program:
+    """A conv net as a list of steps over value slots (0: the input; step i makes slot i + 1); built
+    into a C net per input shape by ``Net``. int8: the input is quantized with ``scale``/``zp``, and
+    ``flat`` flattens the (N, C, 1, 1) output. float32: ``winograd`` 1 runs each 3x3 stride-1
+    convolution in whichever of oneDNN's direct kernel, Winograd F(4x4, 3x3) and F(2x2, 3x3) timed
+    fastest in the net (onednn_net.cpp says why); 0 the direct kernel only; 4 or 2 that form wherever
+    it applies (tests)."""
+
+    scale: float = 1.0
+    zp: int = 0
+    steps: list = field(default_factory=list)
+    out: int = 0
+    flat: bool = False
+    dtype: str = "int8"  # int8 | float32
+    winograd: int = 1
+
+
+class Net:
+    """One input shape's C program; frees it with the object."""
+
+    def __init__(self, lib, prog: Program, shape: tuple):
+        self.lib, self.handle = lib, lib.kn_new(int(prog.dtype == "float32"), prog.winograd)
+        self.dtype = prog.dtype
+        self.lock = threading.Lock()  # a net's buffers serve one call at a time
+        try:
+            self.out_shape = self._build(prog, shape)
+            self._check(lib.kn_finalize(self.handle))
+        except Exception:
+            lib.kn_free(self.handle)
+            self.handle = None
+            raise
+
+    def _check(self, rc):
+        if rc < 0:
+            raise Unsupported(f"oneDNN: {self.lib.kn_error(self.handle).decode()}")
+        return rc
+
+    def _build(self, prog: Program, shape: tuple) -> tuple:
+        lib, h = self.lib, self.handle
+        if len(shape) != 4:
+            raise Unsupported(f"an input of shape {shape} (N, C, H, W only)")
+        ids, dims = [self._check(lib.kn_input(h, *shape, prog.scale, prog.zp))], [tuple(shape)]
+        for s in prog.steps:
+            n, c, hh, ww = dims[s.src]
+            if isinstance(s, Conv):
+                kh, kw = s.weight.shape[2:]
+                (ph, pw), (sh, sw), (dh, dw) = s.padding, s.stride, s.dilation
+                out = (n, s.weight.shape[0], (hh + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+                       (ww + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+                other = -1 if s.other is None else ids[s.other]
+                bias = None if s.bias is None else s.bias.data_ptr()
+                ids.append(self._check(lib.kn_conv(h, ids[s.src], other, s.weight.shape[0], kh, kw, ints(sh, sw),
+                                                   ints(ph, pw, ph, pw), ints(dh, dw), s.groups, s.weight.data_ptr(),
+                                                   None if s.wscale is None else s.wscale.data_ptr(), bias, s.scale,
+                                                   s.zp, int(s.relu))))
+            else:
+                if s.kernel is None:
+                    oh, ow = s.size
+                    if hh % oh or ww % ow:
+                        raise Unsupported(f"adaptive_avg_pool2d from {(hh, ww)} to {(oh, ow)} (divisors only)")
+                    k, st, pad = (hh // oh, ww // ow), (hh // oh, ww // ow), (0, 0)
+                else:
+                    k, st, pad = s.kernel, s.stride, s.padding
+                    oh, ow = (_pooled(hh, k[0], st[0], pad[0], s.ceil), _pooled(ww, k[1], st[1], pad[1], s.ceil))
+                ids.append(self._check(lib.kn_pool(h, ids[s.src], int(s.avg), ints(*k), ints(*st), ints(*pad),
+                                                   oh, ow)))
+                out = (n, c, oh, ow)
+            dims.append(out)
+        n, c, hh, ww = dims[prog.out]
+        if prog.flat and hh * ww != 1:
+            raise Unsupported(f"a flatten of an int8 value with spatial size {(hh, ww)} (1 x 1 only)")
+        self._check(lib.kn_output(h, ids[prog.out], int(prog.flat)))
+        return (n, c) if prog.flat else (n, c, hh, ww)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(self.out_shape)
+        with self.lock:
+            rc = self.lib.kn_run(self.handle, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+        if rc < 0:
+            raise RuntimeError(f"torchkiln oneDNN {self.dtype} net: {self.lib.kn_error(self.handle).decode()}")
+        return out
+
+    def winograd(self) -> list[int]:
+        """For each convolution that could take Winograd, in graph order: the output tile of the form
+        it runs (4: F(4x4, 3x3), 2: F(2x2, 3x3)), or 0 where oneDNN's direct kernel timed faster."""
+        n = self.lib.kn_winograd(self.handle, None, 0)
+        out = (ctypes.c_int * max(n, 1))()
+        self.lib.kn_winograd(self.handle, out, n)
+        return list(out[:n])
+
+    def __del__(self):
+        if getattr(self, "handle", None):
+            self.lib.kn_free(self.handle)
+            self.handle = None
+
+
+def _pooled(size: int, k: int, s: int, p: int, ceil: bool) -> int:
+    """torch's pooled size (ceil mode: a last window must start inside the input or its left padding)."""
+    out = (size + 2 * p - k + (s - 1 if ceil else 0)) // s + 1
+    if ceil and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+class Runner(nn.Module):
+    """The program's region in the rewritten graph: float32 NCHW in, float32 out (dequantized, for int8)."""
+
+    def __init__(self, prog: Program):
+        super().__init__()
+        self.prog, self.nets = prog, {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise Unsupported(f"an input of {x.dtype} on {x.device} (float32 on the CPU only)")
+        net = self.nets.get(tuple(x.shape))
+        if net is None:
+            lib = load()
+            if isinstance(lib, str):
+                raise Unsupported(lib)
+            net = self.nets[tuple(x.shape)] = Net(lib, self.prog, tuple(x.shape))
+        return net(x)
+
+

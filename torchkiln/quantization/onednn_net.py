@@ -19,15 +19,13 @@ it. One program per input shape (MAX_SIGNATURES, as the other traced candidates)
 
 from __future__ import annotations
 
-import ctypes
-import threading
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 
 from ..kernels import onednn_net as kernel
+from ..kernels.onednn_net import Conv, Net, Pool, Program, Runner
 from ..passes.onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
 from .onednn_int8 import available as _int8_available
 from .onednn_int8 import lower, onednn_engine
@@ -47,46 +45,7 @@ def available() -> bool:
     return why_not() is None
 
 
-@dataclass
-class _Conv:
-    src: int
-    other: int | None
-    weight: torch.Tensor  # int8 codes, OIHW
-    wscale: torch.Tensor  # float32, one per output channel
-    bias: torch.Tensor | None
-    stride: tuple
-    padding: tuple
-    dilation: tuple
-    groups: int
-    scale: float
-    zp: int
-    relu: bool
-
-
-@dataclass
-class _Pool:
-    src: int
-    avg: bool
-    kernel: tuple | None  # None: adaptive, to `size`
-    stride: tuple | None
-    padding: tuple
-    ceil: bool = False
-    size: tuple | None = None
-
-
-@dataclass
-class Program:
-    """The int8 region as a list of steps over value slots (0: the quantized input; step i makes
-    slot i + 1); built into a C net per input shape by ``Net``."""
-
-    scale: float
-    zp: int
-    steps: list = field(default_factory=list)
-    out: int = 0
-    flat: bool = False
-
-
-def _conv_step(m: nn.Module, src: int, other: int | None) -> _Conv:
+def _conv_step(m: nn.Module, src: int, other: int | None) -> Conv:
     import torch.ao.nn.intrinsic.quantized as nniq
     import torch.ao.nn.quantized as nnq
 
@@ -108,20 +67,20 @@ def _conv_step(m: nn.Module, src: int, other: int | None) -> _Conv:
     if bool(zps.any()):
         raise Unsupported("an int8 weight with a nonzero zero point (oneDNN's are symmetric)")
     bias = m.bias()
-    return _Conv(src, other, w.int_repr().contiguous(), scales.float().contiguous(),
+    return Conv(src, other, w.int_repr().contiguous(), scales.float().contiguous(),
                  None if bias is None else bias.detach().float().contiguous(), tuple(m.stride), tuple(m.padding),
                  tuple(m.dilation), int(m.groups), float(m.scale), int(m.zero_point), relu)
 
 
-def _pool_step(node: fx.Node, src: int) -> _Pool:
+def _pool_step(node: fx.Node, src: int) -> Pool:
     if node.target is aten.adaptive_avg_pool2d.default:
-        return _Pool(src, True, None, None, (0, 0), size=tuple(node.args[1]))
+        return Pool(src, True, None, None, (0, 0), size=tuple(node.args[1]))
     a = list(node.args) + [None] * 6
     kernel_size, stride, padding = tuple(a[1]), tuple(a[2] or a[1]), tuple(a[3] or (0, 0))
     dilation, ceil = tuple(a[4] or (1, 1)), bool(a[5])
     if len(kernel_size) != 2 or len(stride) != 2 or len(padding) != 2 or dilation != (1, 1):
         raise Unsupported(f"max_pool2d{tuple(node.args[1:])}: 2-D windows without dilation only")
-    return _Pool(src, False, kernel_size, stride, padding, ceil)
+    return Pool(src, False, kernel_size, stride, padding, ceil)
 
 
 def program(gm: fx.GraphModule) -> tuple[Program, fx.Node, fx.Node, list[fx.Node]]:
@@ -173,103 +132,6 @@ def program(gm: fx.GraphModule) -> tuple[Program, fx.Node, fx.Node, list[fx.Node
         raise Unsupported("the int8 region has no dequantize")
     prog.out = slot[deq.args[0]]
     return prog, x, deq, region
-
-
-class Net:
-    """One input shape's C program; frees it with the object."""
-
-    def __init__(self, lib, prog: Program, shape: tuple):
-        self.lib, self.handle = lib, lib.kn_new()
-        self.lock = threading.Lock()  # a net's buffers serve one call at a time
-        try:
-            self.out_shape = self._build(prog, shape)
-            self._check(lib.kn_finalize(self.handle))
-        except Exception:
-            lib.kn_free(self.handle)
-            self.handle = None
-            raise
-
-    def _check(self, rc):
-        if rc < 0:
-            raise Unsupported(f"oneDNN: {self.lib.kn_error(self.handle).decode()}")
-        return rc
-
-    def _build(self, prog: Program, shape: tuple) -> tuple:
-        lib, h, ints = self.lib, self.handle, kernel.ints
-        if len(shape) != 4:
-            raise Unsupported(f"an input of shape {shape} (N, C, H, W only)")
-        ids, dims = [self._check(lib.kn_input(h, *shape, prog.scale, prog.zp))], [tuple(shape)]
-        for s in prog.steps:
-            n, c, hh, ww = dims[s.src]
-            if isinstance(s, _Conv):
-                kh, kw = s.weight.shape[2:]
-                (ph, pw), (sh, sw), (dh, dw) = s.padding, s.stride, s.dilation
-                out = (n, s.weight.shape[0], (hh + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
-                       (ww + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
-                other = -1 if s.other is None else ids[s.other]
-                bias = None if s.bias is None else s.bias.data_ptr()
-                ids.append(self._check(lib.kn_conv(h, ids[s.src], other, s.weight.shape[0], kh, kw, ints(sh, sw),
-                                                   ints(ph, pw, ph, pw), ints(dh, dw), s.groups, s.weight.data_ptr(),
-                                                   s.wscale.data_ptr(), bias, s.scale, s.zp, int(s.relu))))
-            else:
-                if s.kernel is None:
-                    oh, ow = s.size
-                    if hh % oh or ww % ow:
-                        raise Unsupported(f"adaptive_avg_pool2d from {(hh, ww)} to {(oh, ow)} (divisors only)")
-                    k, st, pad = (hh // oh, ww // ow), (hh // oh, ww // ow), (0, 0)
-                else:
-                    k, st, pad = s.kernel, s.stride, s.padding
-                    oh, ow = (_pooled(hh, k[0], st[0], pad[0], s.ceil), _pooled(ww, k[1], st[1], pad[1], s.ceil))
-                ids.append(self._check(lib.kn_pool(h, ids[s.src], int(s.avg), ints(*k), ints(*st), ints(*pad),
-                                                   oh, ow)))
-                out = (n, c, oh, ow)
-            dims.append(out)
-        n, c, hh, ww = dims[prog.out]
-        if prog.flat and hh * ww != 1:
-            raise Unsupported(f"a flatten of an int8 value with spatial size {(hh, ww)} (1 x 1 only)")
-        self._check(lib.kn_output(h, ids[prog.out], int(prog.flat)))
-        return (n, c) if prog.flat else (n, c, hh, ww)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        out = torch.empty(self.out_shape)
-        with self.lock:
-            rc = self.lib.kn_run(self.handle, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()))
-        if rc < 0:
-            raise RuntimeError(f"torchkiln oneDNN int8 net: {self.lib.kn_error(self.handle).decode()}")
-        return out
-
-    def __del__(self):
-        if getattr(self, "handle", None):
-            self.lib.kn_free(self.handle)
-            self.handle = None
-
-
-def _pooled(size: int, k: int, s: int, p: int, ceil: bool) -> int:
-    """torch's pooled size (ceil mode: a last window must start inside the input or its left padding)."""
-    out = (size + 2 * p - k + (s - 1 if ceil else 0)) // s + 1
-    if ceil and (out - 1) * s >= size + p:
-        out -= 1
-    return out
-
-
-class Runner(nn.Module):
-    """The int8 region in the rewritten graph: float32 NCHW in, the dequantized output out."""
-
-    def __init__(self, prog: Program):
-        super().__init__()
-        self.prog, self.nets = prog, {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise Unsupported(f"an input of {x.dtype} on {x.device} (float32 on the CPU only)")
-        net = self.nets.get(tuple(x.shape))
-        if net is None:
-            lib = kernel.load()
-            if isinstance(lib, str):
-                raise Unsupported(lib)
-            net = self.nets[tuple(x.shape)] = Net(lib, self.prog, tuple(x.shape))
-        return net(x)
 
 
 def rewrite(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,197 @@
+"""A float32 conv net's trunk as one oneDNN program (passes/onednn_conv_net.py, kernels/onednn_net.cpp),
+with Winograd 3x3 convolutions: checked against the eager model (the reference, computed by torch's
+own convolutions), each Winograd form forced on partial tiles, residuals read again later, its
+refusals, and optimize() timing it as a candidate.
+
+Tolerances: oneDNN's direct kernels and both Winograd forms land within 1e-6 of the output's norm
+on these nets (measured 2e-7 to 6e-7); a wrong transform coefficient, tile offset, bias or residual
+is off by far more (a tile's last row dropped: over 1e-2)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchkiln as tk
+from torchkiln.passes import onednn_conv_net
+from torchkiln.passes.onednn_conv_net import OneDNNConvNet, Unsupported
+
+pytestmark = pytest.mark.skipif(onednn_conv_net.why_not() is not None,
+                                reason=f"no oneDNN conv net: {onednn_conv_net.why_not()}")
+TOL = 1e-5
+
+
+def bn(c: int) -> nn.BatchNorm2d:
+    m = nn.BatchNorm2d(c)
+    with torch.no_grad():  # statistics and affine terms a trained model has: folding must use them all
+        m.running_mean.uniform_(-0.2, 0.2)
+        m.running_var.uniform_(0.5, 1.5)
+        m.weight.uniform_(0.5, 1.5)
+        m.bias.uniform_(-0.1, 0.1)
+    return m
+
+
+class Block(nn.Module):
+    """A bottleneck: its 3x3 convolution is Winograd-eligible at stride 1; with a downsample the later
+    convolution (the downsample, traced after conv3) takes the residual sum."""
+
+    def __init__(self, cin: int, mid: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), bn(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), bn(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1), bn(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), bn(cout))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.down is None else self.down(x)
+        out += identity
+        return torch.relu(out)
+
+
+class SmallResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), bn(16), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, 2, 1, ceil_mode=True)
+        self.blocks = nn.Sequential(Block(16, 16, 32), Block(32, 16, 32), Block(32, 32, 64, 2), nn.Dropout(0.1))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.pool(self.stem(x))))
+
+
+def small(seed: int = 0) -> SmallResNet:
+    torch.manual_seed(seed)
+    return SmallResNet().eval()
+
+
+def rel(got, ref) -> float:
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("winograd, forms", [(False, []), (4, [4, 4]), (2, [2, 2]), (True, None)])
+def test_each_form_matches_eager_on_partial_tiles(winograd, forms):
+    model = small()
+    # 30x30 pools (ceil mode) to 15x15: the last 4x4 and 2x2 output tiles hang over the edge
+    x = torch.randn(2, 3, 30, 30)
+    served = OneDNNConvNet(model, winograd=winograd)
+    with torch.no_grad():
+        ref, got = model(x), served(x)
+    assert got.shape == ref.shape and rel(got, ref) < TOL
+    chosen = served.winograd()
+    if forms is not None:
+        assert chosen == forms  # the two stride-1 3x3 convolutions; the stride-2 one is never eligible
+    else:
+        assert len(chosen) == 2 and set(chosen) <= {0, 2, 4}
+    code = served.rewritten.code
+    assert "conv_net" in code and "conv2" not in code and "head_2" in code  # the Linear stays in the graph
+
+
+class Reread(nn.Module):
+    """A residual operand read again after the add that takes it (the program copies it first), and
+    an add whose operand is the convolution's own input."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 32, 3, padding=1)
+        self.conv1 = nn.Conv2d(32, 32, 1)
+
+    def forward(self, x):
+        a = self.stem(x)
+        b = torch.relu(self.conv3(a) + a)
+        return self.conv1(a) + b
+
+
+@pytest.mark.parametrize("winograd", [False, 4, 2])
+def test_a_residual_read_again_is_not_overwritten(winograd):
+    torch.manual_seed(1)
+    model = Reread().eval()
+    x = torch.randn(1, 3, 13, 11)
+    with torch.no_grad():
+        ref, got = model(x), OneDNNConvNet(model, winograd=winograd)(x)
+    assert rel(got, ref) < TOL
+
+
+def test_each_input_shape_gets_its_own_program_and_the_model_is_untouched():
+    model = small()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    served = OneDNNConvNet(model, winograd=4)
+    with torch.no_grad():
+        for shape in [(1, 3, 16, 16), (3, 3, 21, 17)]:
+            x = torch.randn(shape)
+            assert rel(served(x), model(x)) < TOL
+    assert len(served.rewritten.conv_net.nets) == 2
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm folded into copies
+    assert model.stem[0].weight is not None and isinstance(model.stem[1], nn.BatchNorm2d)
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(3, 16, 1)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class ReadTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.relu(y) + y
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) if x.sum() > 0 else -x
+
+
+@pytest.mark.parametrize("model, match", [
+    (TwoOut(), "hands 2 values"),
+    (ReadTwice(), "relu: a ReLU not right after a convolution"),
+    (Branchy(), "torch.fx cannot trace Branchy"),
+    (nn.Sequential(nn.Conv2d(3, 16, 3, padding="same")), "padding='same'"),
+    (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")), "padding_mode='reflect'"),
+    (nn.Sequential(nn.Linear(4, 4)), "no convolution reads the model's first input"),
+])
+def test_what_it_cannot_hold_is_refused_with_the_reason(model, match):
+    with pytest.raises(Unsupported, match=match):
+        OneDNNConvNet(model.eval())
+
+
+def test_a_model_in_training_mode_is_refused():
+    with pytest.raises(Unsupported, match="training mode"):
+        OneDNNConvNet(small().train())
+
+
+def test_optimize_times_it_and_serves_only_a_verified_candidate():
+    model = small()
+    x = torch.randn(2, 3, 30, 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = tk.optimize(model, dtype=torch.float32, sample_input=x, time_budget=0.5)
+    report = tk.report(fast)
+    row = next(m for m in report.candidates if m.name.startswith("torchkiln oneDNN conv net"))
+    assert row.status in ("passed", "served"), (row.status, row.reason)
+    if report.active.startswith("torchkiln oneDNN conv net"):
+        assert any(a.startswith("onednn_conv_net (") for a in report.applied)
+    with torch.no_grad():
+        ref, got = model(x), fast(x)
+    assert rel(got, ref) < 1e-4
