@@ -193,15 +193,16 @@ def _kiln(build: KilnBuild, tier: int) -> list[Candidate]:
         out.append(Candidate(f"torchkiln oneDNN graph ({tag})", "torchkiln", tag,
                              lambda: gbuild.call(OneDNNGraph(gbuild.runner()), False), tier, False, gbuild.applied,
                              graph_passes=False))
-        if rec.dtype == "float32" and has_conv(build.original):
+        if rec.dtype in ("float32", "bfloat16") and has_conv(build.original):
             # the conv trunk as one oneDNN program with Winograd 3x3 convolutions (passes/onednn_conv_net.py):
             # offered where pip's oneDNN and a compiler are here; its build refuses graphs it cannot hold
             from .passes import onednn_conv_net
             if onednn_conv_net.why_not() is None:
                 notes: list[str] = []  # its own account: the recipe's passes do not run in it
                 out.append(Candidate(f"torchkiln oneDNN conv net ({tag})", "torchkiln", tag,
-                                     lambda: build.call(onednn_conv_net.OneDNNConvNet(build.original, notes=notes),
-                                                        False), tier, False, notes, graph_passes=False))
+                                     lambda: build.call(onednn_conv_net.OneDNNConvNet(
+                                         build.original, notes=notes, dtype=DTYPES[rec.dtype]), False),
+                                     tier, False, notes, graph_passes=False))
     out.append(Candidate(f"torchkiln eager passes ({tag})", "torchkiln", tag,
                          lambda: build.call(build.runner(), False), tier, False, build.applied, graph_passes=False))
     return out

@@ -1,4 +1,4 @@
-"""A float32 conv net's trunk as one oneDNN program (passes/onednn_conv_net.py, kernels/onednn_net.cpp),
+"""A float32 / bfloat16 conv net's trunk as one oneDNN program (passes/onednn_conv_net.py, kernels/onednn_net.cpp),
 with Winograd 3x3 convolutions: checked against the eager model (the reference, computed by torch's
 own convolutions), each Winograd form forced on partial tiles, residuals read again later, its
 refusals, and optimize() timing it as a candidate.
@@ -7,6 +7,7 @@ Tolerances: oneDNN's direct kernels and both Winograd forms land within 1e-6 of 
 on these nets (measured 2e-7 to 6e-7); a wrong transform coefficient, tile offset, bias or residual
 is off by far more (a tile's last row dropped: over 1e-2)."""
 
+import copy
 import warnings
 
 import pytest
@@ -121,6 +122,28 @@ def test_a_residual_read_again_is_not_overwritten(winograd):
     assert rel(got, ref) < TOL
 
 
+@pytest.mark.parametrize("winograd", [False, 4, 2])
+def test_bfloat16_is_as_close_to_float32_as_a_plain_cast(winograd):
+    model = small()
+    x = torch.randn(2, 3, 30, 30)
+    with torch.no_grad():
+        ref = model(x)
+        cast = copy.deepcopy(model).bfloat16()(x.bfloat16()).float()
+        got = OneDNNConvNet(model, winograd=winograd, dtype=torch.bfloat16)(x)
+    assert got.dtype == torch.float32
+    # the guard's rule for bf16 (twice the plain cast's error, plus a floor); and bf16 really ran
+    assert 1e-4 < rel(got, ref) < 2 * rel(cast, ref) + 1e-3
+
+
+def test_a_bfloat16_model_takes_and_returns_bfloat16():
+    model = small().bfloat16()
+    x = torch.randn(1, 3, 24, 24, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = model(x)
+        got = OneDNNConvNet(model, dtype=torch.bfloat16)(x)
+    assert got.dtype == torch.bfloat16 and rel(got.float(), ref.float()) < 0.02
+
+
 def test_each_input_shape_gets_its_own_program_and_the_model_is_untouched():
     model = small()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -176,9 +199,11 @@ def test_what_it_cannot_hold_is_refused_with_the_reason(model, match):
         OneDNNConvNet(model.eval())
 
 
-def test_a_model_in_training_mode_is_refused():
+def test_a_model_in_training_mode_and_another_dtype_are_refused():
     with pytest.raises(Unsupported, match="training mode"):
         OneDNNConvNet(small().train())
+    with pytest.raises(Unsupported, match=r"dtype=torch.float16 \(torch.float32 or torch.bfloat16\)"):
+        OneDNNConvNet(small(), dtype=torch.float16)
 
 
 def test_optimize_times_it_and_serves_only_a_verified_candidate():

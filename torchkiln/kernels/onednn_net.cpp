@@ -1,8 +1,8 @@
 // torchkiln's CNN runner: a whole conv net (convolutions with their fused ReLU and residual add,
 // pooling, the input's reorder or quantize and the output's) executed as a list of oneDNN primitives
-// built once per input shape, from one C call per forward. Two forms: int8 (u8 NHWC activations, the
-// pt2e graph's scales) and float32 (NHWC activations; 3x3 stride-1 convolutions may run as Winograd
-// F(4x4, 3x3), below).
+// built once per input shape, from one C call per forward. Its forms: int8 (u8 NHWC activations, the
+// pt2e graph's scales), float32 (NHWC; 3x3 stride-1 convolutions may run as Winograd, below) and
+// bfloat16 (NHWC bf16 activations and weights, float32 bias and accumulation; Winograd as float32).
 //
 // Why it is hand-written: torch's quantized conv ops run the same oneDNN kernels, but each call
 // also allocates its output, rebuilds scales and attributes and looks its primitive up: 6-20 us per
@@ -45,7 +45,7 @@ using tag = memory::format_tag;
 
 namespace {
 
-struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32
+struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32 / bf16
   memory::dims dims;  // N, C, H, W
   float scale;
   int zp;
@@ -81,12 +81,12 @@ struct Op {
   };
   std::vector<Wino> winos;
   int form = -1;
-  float* src_ptr = nullptr;
-  float* dst_ptr = nullptr;
+  void* src_ptr = nullptr;
+  void* dst_ptr = nullptr;
 };
 
 struct Net {
-  bool f32 = false;
+  dt adt = dt::u8;  // the activations' type: u8 (an int8 net), f32 or bf16
   int winograd = 0;  // 0: direct kernels only; 1: each eligible convolution's fastest form; 4, 2: that tile
   engine eng{engine::kind::cpu, 0};
   stream strm{eng};
@@ -105,15 +105,14 @@ memory::desc nhwc(const Tensor& t) { return memory::desc(t.dims, dt::u8, tag::nh
 // NHWC is the layout oneDNN's float brgconv kernels pick for themselves ("any"); given nChw16c
 // instead, oneDNN 3.2 runs its older jit kernels (resnet50's 7x7x512 3x3 convolution: 402 us NHWC,
 // 520 us nChw16c on 2 Zen 5 cores)
-memory::desc act(const Net* n, const Tensor& t) {
-  return n->f32 ? memory::desc(t.dims, dt::f32, tag::nhwc) : nhwc(t);
-}
+bool floating(const Net* n) { return n->adt != dt::u8; }
+memory::desc act(const Net* n, const Tensor& t) { return memory::desc(t.dims, n->adt, tag::nhwc); }
 memory::dim numel(const memory::dims& d) {
   memory::dim n = 1;
   for (auto v : d) n *= v;
   return n;
 }
-size_t bytes(const Net* n, const Tensor& t) { return (size_t)numel(t.dims) * (n->f32 ? 4 : 1); }
+size_t bytes(const Net* n, const Tensor& t) { return act(n, t).get_size(); }
 
 memory scalar_f32(const engine& e, std::vector<float>& v) {
   return memory({{(memory::dim)v.size()}, dt::f32, tag::x}, e, v.data());
@@ -158,23 +157,38 @@ struct F23 {
 
 bool wino_eligible(const Net* n, const Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
-  return n->f32 && n->winograd != 0 && op.groups == 1 && op.wdims[2] == 3 && op.wdims[3] == 3 &&
+  return floating(n) && n->winograd != 0 && op.groups == 1 && op.wdims[2] == 3 && op.wdims[3] == 3 &&
          op.strides == memory::dims{1, 1} && op.dil == memory::dims{0, 0} && op.pad_l == memory::dims{1, 1} &&
          op.pad_r == memory::dims{1, 1} && s.dims[1] % 16 == 0 && d.dims[1] % 16 == 0;
 }
 
+// bf16 storage as uint16_t: widened exactly, narrowed to nearest even (as oneDNN's conversions)
+inline float ld(float v) { return v; }
+inline float ld(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void st(float& d, float v) { d = v; }
+inline void st(uint16_t& d, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  d = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 // One tile and 16 channels: x (NHWC image) -> v ((A*A, T, C)), zero outside the image
-template <class F>
-inline __attribute__((always_inline)) void input_tile(const float* img, int64_t C, int64_t H, int64_t W, int64_t y0,
-                                                      int64_t x0, int64_t T, int64_t t, float* v) {
+template <class F, class T_>
+inline __attribute__((always_inline)) void input_tile(const T_* img, int64_t C, int64_t H, int64_t W, int64_t y0,
+                                                      int64_t x0, int64_t T, int64_t t, T_* v) {
   constexpr int A = F::A;
   float d[A][A][16], m[A][A][16];
   for (int i = 0; i < A; i++)
     for (int j = 0; j < A; j++) {
       const int64_t y = y0 + i, xx = x0 + j;
       const bool in = y >= 0 && y < H && xx >= 0 && xx < W;
-      const float* p = img + (y * W + xx) * C;
-      for (int c = 0; c < 16; c++) d[i][j][c] = in ? p[c] : 0.f;
+      const T_* p = img + (y * W + xx) * C;
+      for (int c = 0; c < 16; c++) d[i][j][c] = in ? ld(p[c]) : 0.f;
     }
   for (int i = 0; i < A; i++)
     for (int j = 0; j < A; j++)
@@ -185,20 +199,21 @@ inline __attribute__((always_inline)) void input_tile(const float* img, int64_t 
       }
   for (int i = 0; i < A; i++)
     for (int j = 0; j < A; j++) {
-      float* o = v + ((i * A + j) * T + t) * C;
+      T_* o = v + ((i * A + j) * T + t) * C;
       for (int c = 0; c < 16; c++) {
         float acc = 0;
         for (int k = 0; k < A; k++) acc += m[i][k][c] * F::BT[j][k];
-        o[c] = acc;
+        st(o[c], acc);
       }
     }
 }
 
-// One tile and 16 channels: r ((A*A, T, K)) -> y (NHWC image), plus bias, plus what y holds (sum), ReLU
-template <class F>
+// One tile and 16 channels: r ((A*A, T, K), float32) -> y (NHWC image), plus bias, plus what y
+// holds (sum), ReLU
+template <class F, class T_>
 inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K, int64_t H, int64_t W, int64_t y0,
                                                        int64_t x0, int64_t T, int64_t t, const float* bias, bool sum,
-                                                       bool relu, float* img) {
+                                                       bool relu, T_* img) {
   constexpr int A = F::A, M = F::M;
   float q[A][A][16], a[M][A][16];
   for (int i = 0; i < A; i++)
@@ -215,47 +230,56 @@ inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K
       }
   for (int i = 0; i < M && y0 + i < H; i++)
     for (int j = 0; j < M && x0 + j < W; j++) {
-      float* o = img + ((y0 + i) * W + x0 + j) * K;
+      T_* o = img + ((y0 + i) * W + x0 + j) * K;
       for (int c = 0; c < 16; c++) {
         float acc = bias ? bias[c] : 0.f;
         for (int k = 0; k < A; k++) acc += a[i][k][c] * F::AT[j][k];
-        if (sum) acc += o[c];
-        o[c] = relu && acc < 0 ? 0.f : acc;
+        if (sum) acc += ld(o[c]);
+        st(o[c], relu && acc < 0 ? 0.f : acc);
       }
     }
 }
 
-// x: NHWC -> v: (A*A, T, C), T = N * th * tw tiles of m x m outputs
+// x: NHWC -> v: (A*A, T, C), T = N * th * tw tiles of m x m outputs; bf16: both are
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void wino_input(int mt, const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t th, int64_t tw, float* v) {
+void wino_input(int mt, bool bf16, const void* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t th, int64_t tw,
+                void* v) {
   const int64_t T = N * th * tw, CB = C / 16;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t t = 0; t < T; t++)
     for (int64_t cb = 0; cb < CB; cb++) {
       const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt - 1, x0 = (t % tw) * mt - 1;
-      const float* img = x + b * H * W * C + cb * 16;
-      if (mt == 4)
-        input_tile<F43>(img, C, H, W, y0, x0, T, t, v + cb * 16);
+      const int64_t at = b * H * W * C + cb * 16;
+      if (bf16 && mt == 4)
+        input_tile<F43>((const uint16_t*)x + at, C, H, W, y0, x0, T, t, (uint16_t*)v + cb * 16);
+      else if (bf16)
+        input_tile<F23>((const uint16_t*)x + at, C, H, W, y0, x0, T, t, (uint16_t*)v + cb * 16);
+      else if (mt == 4)
+        input_tile<F43>((const float*)x + at, C, H, W, y0, x0, T, t, (float*)v + cb * 16);
       else
-        input_tile<F23>(img, C, H, W, y0, x0, T, t, v + cb * 16);
+        input_tile<F23>((const float*)x + at, C, H, W, y0, x0, T, t, (float*)v + cb * 16);
     }
 }
 
-// r: (A*A, T, K) -> y: NHWC
+// r: (A*A, T, K) float32 -> y: NHWC, float32 or bf16
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void wino_output(int mt, const float* r, int64_t N, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw,
-                 const float* bias, bool sum, bool relu, float* y) {
+void wino_output(int mt, bool bf16, const float* r, int64_t N, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw,
+                 const float* bias, bool sum, bool relu, void* y) {
   const int64_t T = N * th * tw, KB = K / 16;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t t = 0; t < T; t++)
     for (int64_t kb = 0; kb < KB; kb++) {
       const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt, x0 = (t % tw) * mt;
-      float* img = y + b * H * W * K + kb * 16;
+      const int64_t at = b * H * W * K + kb * 16;
       const float* bk = bias ? bias + kb * 16 : nullptr;
-      if (mt == 4)
-        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, img);
+      if (bf16 && mt == 4)
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (uint16_t*)y + at);
+      else if (bf16)
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (uint16_t*)y + at);
+      else if (mt == 4)
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (float*)y + at);
       else
-        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, img);
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (float*)y + at);
     }
 }
 
@@ -289,8 +313,9 @@ void build_wino(Net* n, Op& op, int mt) {
   std::vector<float> u = mt == 4 ? transform_weights<F43>(op.fweight, K, C) : transform_weights<F23>(op.fweight, K, C);
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
-  auto pd = matmul::primitive_desc(n->eng, memory::desc({A * A, f.tiles, C}, dt::f32, tag::abc),
-                                   memory::desc({A * A, C, K}, dt::f32, tag::any),
+  // bf16: the transformed input and weights in bf16, the GEMM's sums and the output transform in f32
+  auto pd = matmul::primitive_desc(n->eng, memory::desc({A * A, f.tiles, C}, n->adt, tag::abc),
+                                   memory::desc({A * A, C, K}, n->adt, tag::any),
                                    memory::desc({A * A, f.tiles, K}, dt::f32, tag::abc), attr);
   memory plain({{A * A, C, K}, dt::f32, tag::abc}, n->eng, u.data());
   f.u = memory(pd.weights_desc(), n->eng);
@@ -304,10 +329,11 @@ void build_wino(Net* n, Op& op, int mt) {
 void run_wino(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   Op::Wino& f = op.winos[op.form];
-  wino_input(f.m, op.src_ptr, s.dims[0], s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w,
-             static_cast<float*>(n->wino_v.get_data_handle()));
+  const bool bf16 = n->adt == dt::bf16;
+  wino_input(f.m, bf16, op.src_ptr, s.dims[0], s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w,
+             n->wino_v.get_data_handle());
   f.gemm.execute(n->strm, f.args);
-  wino_output(f.m, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[0], d.dims[1], d.dims[2],
+  wino_output(f.m, bf16, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[0], d.dims[1], d.dims[2],
               d.dims[3], f.tiles_h, f.tiles_w, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
               op.dst_ptr);
 }
@@ -323,7 +349,7 @@ void build_conv(Net* n, Op& op) {
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
   post_ops po;
-  if (!n->f32) {
+  if (!floating(n)) {
     attr.set_scales_mask(DNNL_ARG_SRC, 0);
     attr.set_scales_mask(DNNL_ARG_WEIGHTS, mask);
     attr.set_scales_mask(DNNL_ARG_DST, 0);
@@ -338,26 +364,31 @@ void build_conv(Net* n, Op& op) {
   }
   if (op.relu) po.append_eltwise(algorithm::eltwise_relu, 0.f, 0.f);
   attr.set_post_ops(po);
-  const dt wt = n->f32 ? dt::f32 : dt::s8;
+  const dt wt = floating(n) ? n->adt : dt::s8;  // a bf16 net's weights: converted by their reorder
   auto wany = memory::desc(wd, wt, tag::any);
   auto bmd = op.has_bias ? memory::desc({d.dims[1]}, dt::f32, tag::a) : memory::desc();
   auto pd = convolution_forward::primitive_desc(n->eng, prop_kind::forward_inference,
                                                 algorithm::convolution_direct, act(n, s), wany, bmd, act(n, d),
                                                 op.strides, op.dil, op.pad_l, op.pad_r, attr);
   // weights reordered once into the kernel's own layout
-  void* wsrc = n->f32 ? (void*)op.fweight.data() : (void*)op.weight.data();
-  memory plain({wd, wt, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, wsrc);
+  void* wsrc = floating(n) ? (void*)op.fweight.data() : (void*)op.weight.data();
+  memory plain({wd, floating(n) ? dt::f32 : dt::s8, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, wsrc);
   op.wmem = memory(pd.weights_desc(), n->eng);
   reorder(plain, op.wmem).execute(n->strm, plain, op.wmem);
   n->strm.wait();
   if (wino_eligible(n, op)) {
+    // In a bf16 net, the transformed input and weights are rounded to bf16 as well. F(4x4)'s
+    // transforms (coefficients to 25) amplify that rounding more than F(2x2)'s, but the activations'
+    // own bf16 rounding still dominates: resnet50 bs1 against eager float32, 5.4e-3 of the output's
+    // norm with F(4x4) everywhere, 5.1e-3 with F(2x2), 5.4e-3 with direct kernels, 5.3e-3 for the
+    // plain bf16 cast; and optimize()'s guard holds each model to its plain cast's error.
     build_wino(n, op, 4);
     build_wino(n, op, 2);
   }
   op.weight = {};
   op.fweight = {};
   op.args = {{DNNL_ARG_WEIGHTS, op.wmem}};
-  if (!n->f32) {
+  if (!floating(n)) {
     op.sscale = {s.scale};
     op.dscale = {d.scale};
     op.sc_src = scalar_f32(n->eng, op.sscale);
@@ -391,7 +422,7 @@ void build_pool(Net* n, Op& op) {
 // float net, NCHW to and from the activations' layout (a flattened output is NCHW's bytes)
 void build_reorder(Net* n, Op& op, bool quantize) {
   const Tensor& t = n->tensors[quantize ? op.dst : op.src];
-  if (n->f32) {
+  if (floating(n)) {
     memory::desc plain(t.dims, dt::f32, tag::nchw);
     op.prim = reorder(quantize ? reorder::primitive_desc(n->eng, plain, n->eng, act(n, t))
                                : reorder::primitive_desc(n->eng, act(n, t), n->eng, plain));
@@ -425,15 +456,15 @@ bool bind_wino(Net* n, memory& scratch) {
       m = std::max<size_t>(m, (size_t)a2 * f.tiles * op.wdims[0]);
     }
   if (!v) return false;
-  n->wino_v = memory({{(memory::dim)v}, dt::f32, tag::a}, n->eng);
+  n->wino_v = memory({{(memory::dim)v}, n->adt, tag::a}, n->eng);
   n->wino_m = memory({{(memory::dim)m}, dt::f32, tag::a}, n->eng);
   for (auto& op : n->ops) {
     if (op.winos.empty()) continue;
-    op.src_ptr = reinterpret_cast<float*>(n->buffers[n->tensors[op.src].buffer].data());
-    op.dst_ptr = reinterpret_cast<float*>(n->buffers[n->tensors[op.dst].buffer].data());
+    op.src_ptr = n->buffers[n->tensors[op.src].buffer].data();
+    op.dst_ptr = n->buffers[n->tensors[op.dst].buffer].data();
     for (auto& f : op.winos) {
       const int64_t a2 = (f.m + 2) * (f.m + 2);
-      f.args = {{DNNL_ARG_SRC, memory({{a2, f.tiles, op.wdims[1]}, dt::f32, tag::abc}, n->eng, n->wino_v.get_data_handle())},
+      f.args = {{DNNL_ARG_SRC, memory({{a2, f.tiles, op.wdims[1]}, n->adt, tag::abc}, n->eng, n->wino_v.get_data_handle())},
                 {DNNL_ARG_WEIGHTS, f.u},
                 {DNNL_ARG_DST, memory({{a2, f.tiles, op.wdims[0]}, dt::f32, tag::abc}, n->eng, n->wino_m.get_data_handle())},
                 {DNNL_ARG_SCRATCHPAD, scratch}};
@@ -463,28 +494,47 @@ void run_ops(Net* n, std::vector<double>* times) {
 }
 
 // Each eligible convolution runs in the form that timed fastest inside whole runs of the net (the
-// direct kernel, F(4x4, 3x3), F(2x2, 3x3); the least of 5 calls each after a warm-up, on a zero
-// input: a sum of 3 flipped between the two Winograd forms from build to build). Alone,
+// direct kernel, F(4x4, 3x3), F(2x2, 3x3); the least of 5 interleaved calls each after a warm-up,
+// on a zero input: a sum of 3 flipped between the two Winograd forms from build to build). Alone,
 // with its weights and buffers hot in cache, Winograd timed 1.5-2x faster than it runs between the
 // net's other layers; the unchosen forms' weights are then freed.
+// the net's own input and output pointed at zeros (a timing run needs no caller's tensors)
+struct ZeroIO {
+  std::vector<float> in, out;
+  explicit ZeroIO(Net* n)
+      : in((size_t)numel(n->in_dims)), out(n->out_mem.get_desc().get_size() / sizeof(float)) {
+    n->in_mem.set_data_handle(in.data());
+    n->out_mem.set_data_handle(out.data());
+  }
+};
+
 void choose_wino(Net* n) {
   if (n->winograd == 4 || n->winograd == 2) {
     for (auto& op : n->ops)
       if (!op.winos.empty()) {
-        op.form = n->winograd == 4 ? 0 : 1;
-        op.winos[1 - op.form] = Op::Wino();
+        for (int form = 0; form < (int)op.winos.size(); form++)
+          if (op.winos[form].m == n->winograd) op.form = form;
+        for (int form = 0; form < (int)op.winos.size(); form++)
+          if (form != op.form) op.winos[form] = Op::Wino();
       }
     return;
   }
-  std::vector<float> in((size_t)numel(n->in_dims)), out(n->out_mem.get_desc().get_size() / sizeof(float));
-  n->in_mem.set_data_handle(in.data());
-  n->out_mem.set_data_handle(out.data());
-  std::vector<std::vector<double>> t(3, std::vector<double>(n->ops.size(), 1e30));
-  for (int form = -1; form < 2; form++) {
-    for (auto& op : n->ops) op.form = op.winos.empty() ? -1 : form;
+  ZeroIO io(n);
+  int forms = 0;
+  for (auto& op : n->ops) forms = std::max(forms, (int)op.winos.size());
+  std::vector<std::vector<double>> t(forms + 1, std::vector<double>(n->ops.size(), 1e30));
+  auto use = [&](int form) {
+    for (auto& op : n->ops) op.form = form < (int)op.winos.size() ? form : -1;
+  };
+  for (int form = -1; form < forms; form++) {  // warm-up: each form's first call touches its weights
+    use(form);
     run_ops(n, nullptr);
-    for (int r = 0; r < 5; r++) run_ops(n, &t[form + 1]);
   }
+  for (int r = 0; r < 5; r++)  // interleaved, so a burst of other work on the machine hits every form
+    for (int form = -1; form < forms; form++) {
+      use(form);
+      run_ops(n, &t[form + 1]);
+    }
   for (size_t i = 0; i < n->ops.size(); i++) {
     Op& op = n->ops[i];
     op.form = -1;
@@ -499,11 +549,11 @@ void choose_wino(Net* n) {
 
 extern "C" {
 
-// dtype: 0 int8 (u8 activations), 1 float32; winograd: 0 never, 1 where timed fastest, 4 or 2 the
-// F(4x4, 3x3) or F(2x2, 3x3) form wherever eligible (for tests)
+// dtype: 0 int8 (u8 activations), 1 float32, 2 bfloat16 (float32 in and out); winograd (float32):
+// 0 never, 1 where timed fastest, 4 or 2 the F(4x4, 3x3) or F(2x2, 3x3) form wherever eligible (tests)
 void* kn_new(int dtype, int winograd) {
   Net* n = new Net();
-  n->f32 = dtype == 1;
+  n->adt = dtype == 1 ? dt::f32 : dtype == 2 ? dt::bf16 : dt::u8;
   n->winograd = winograd;
   return n;
 }
@@ -538,7 +588,7 @@ int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw
     op.relu = relu != 0;
     int64_t in_per_group = s.dims[1] / groups;
     op.wdims = {out_c, in_per_group, kh, kw};
-    if (n->f32) {
+    if (floating(n)) {
       op.fweight.assign((const float*)weight, (const float*)weight + numel(op.wdims));
     } else {
       op.weight.assign((const int8_t*)weight, (const int8_t*)weight + numel(op.wdims));
@@ -657,7 +707,7 @@ int kn_finalize(void* net) {
         n->in_mem = memory({n->in_dims, dt::f32, tag::nchw}, n->eng, nullptr);
         op.args[DNNL_ARG_FROM] = n->in_mem;
         op.args[DNNL_ARG_TO] = mem(op.dst);
-      } else if (op.kind == Op::OUTPUT && n->f32) {
+      } else if (op.kind == Op::OUTPUT && floating(n)) {
         Tensor& x = n->tensors[op.src];
         op.args[DNNL_ARG_FROM] = mem(op.src);
         n->out_mem = memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr);
@@ -678,6 +728,20 @@ int kn_finalize(void* net) {
     }
     if (bind_wino(n, scratch)) choose_wino(n);
     return 0;
+  });
+}
+
+// each op's least seconds over `calls` calls on a zero input (after one more): the input reorder,
+// the steps in order, the output reorder; returns the op count
+int kn_times(void* net, int calls, double* out, int cap) {
+  Net* n = static_cast<Net*>(net);
+  return guarded(n, [&] {
+    ZeroIO io(n);
+    std::vector<double> t(n->ops.size(), 1e30);
+    run_ops(n, nullptr);
+    for (int r = 0; r < calls; r++) run_ops(n, &t);
+    for (int i = 0; i < (int)t.size() && i < cap; i++) out[i] = t[i];
+    return (int)t.size();
   });
 }
 

@@ -91,6 +91,7 @@ def load() -> ctypes.CDLL | str:
         "kn_pool": (c_int, [vp, c_int, c_int, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64]),
         "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, vp]),
         "kn_winograd": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
+        "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -150,7 +151,7 @@ class Program:
     steps: list = field(default_factory=list)
     out: int = 0
     flat: bool = False
-    dtype: str = "int8"  # int8 | float32
+    dtype: str = "int8"  # int8 | float32 | bfloat16 (float32 in and out, bf16 between the layers)
     winograd: int = 1
 
 
@@ -158,10 +159,12 @@ class Net:
     """One input shape's C program; frees it with the object."""
 
     def __init__(self, lib, prog: Program, shape: tuple):
-        self.lib, self.handle = lib, lib.kn_new(int(prog.dtype == "float32"), prog.winograd)
+        code = {"int8": 0, "float32": 1, "bfloat16": 2}[prog.dtype]
+        self.lib, self.handle = lib, lib.kn_new(code, prog.winograd)
         self.dtype = prog.dtype
         self.lock = threading.Lock()  # a net's buffers serve one call at a time
         try:
+            self.steps = prog.steps
             self.out_shape = self._build(prog, shape)
             self._check(lib.kn_finalize(self.handle))
         except Exception:
@@ -228,6 +231,15 @@ class Net:
         self.lib.kn_winograd(self.handle, out, n)
         return list(out[:n])
 
+    def times(self, calls: int = 10) -> list[float]:
+        """Each op's least seconds over ``calls`` calls on a zero input, in program order: the input's
+        reorder, then one per step, then the output's (benchmarks/diag_conv_net.py prints them)."""
+        n = len(self.steps) + 2
+        out = (ctypes.c_double * n)()
+        with self.lock:
+            self._check(self.lib.kn_times(self.handle, calls, out, n))
+        return list(out)
+
     def __del__(self):
         if getattr(self, "handle", None):
             self.lib.kn_free(self.handle)
@@ -250,14 +262,18 @@ class Runner(nn.Module):
         self.prog, self.nets = prog, {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            raise Unsupported(f"an input of {x.dtype} on {x.device} (float32 on the CPU only)")
+        # a float program also takes a bf16 / fp16 model's own input, and answers in its dtype
+        floats = (torch.float32,) if self.prog.dtype == "int8" else (torch.float32, torch.bfloat16, torch.float16)
+        if x.dtype not in floats or x.device.type != "cpu":
+            raise Unsupported(f"an input of {x.dtype} on {x.device} ({', '.join(map(str, floats))} on the CPU only)")
         net = self.nets.get(tuple(x.shape))
         if net is None:
             lib = load()
             if isinstance(lib, str):
                 raise Unsupported(lib)
             net = self.nets[tuple(x.shape)] = Net(lib, self.prog, tuple(x.shape))
-        return net(x)
+        if x.dtype == torch.float32:
+            return net(x)
+        return net(x.float()).to(x.dtype)
 
 

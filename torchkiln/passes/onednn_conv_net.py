@@ -77,8 +77,8 @@ class _Walk:
     """The program made by walking the traced graph once; ``tail[slot]``: the node holding that slot's
     value now (a convolution's slot moves on to its BatchNorm, ReLU and add nodes as they fold in)."""
 
-    def __init__(self, gm: fx.GraphModule, x: fx.Node):
-        self.gm, self.prog = gm, Program(dtype="float32")
+    def __init__(self, gm: fx.GraphModule, x: fx.Node, dtype: str):
+        self.gm, self.prog = gm, Program(dtype=dtype)
         self.slot: dict[fx.Node, int] = {x: 0}
         self.tail: dict[int, fx.Node] = {0: x}
         self.region: list[fx.Node] = []
@@ -163,7 +163,8 @@ class _Walk:
                     bool(m.ceil_mode))
 
 
-def program(model: nn.Module, winograd: int = 1) -> tuple[Program, fx.GraphModule, fx.Node, _Walk]:
+def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
+            ) -> tuple[Program, fx.GraphModule, fx.Node, _Walk]:
     """``model``'s conv region: (its program, the traced graph, the node whose value the program
     returns, the walk that made it: its region's nodes, BatchNorms folded). Raises Unsupported,
     naming the node, where it cannot be held."""
@@ -174,7 +175,7 @@ def program(model: nn.Module, winograd: int = 1) -> tuple[Program, fx.GraphModul
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not inputs:
         raise Unsupported("the model takes no input")
-    walk = _Walk(gm, inputs[0])
+    walk = _Walk(gm, inputs[0], dtype)
     with torch.no_grad():  # BatchNorm folding computes new weights from the model's
         for node in gm.graph.nodes:
             if node.op == "placeholder" or not any(a in walk.slot for a in node.all_input_nodes):
@@ -197,10 +198,10 @@ def program(model: nn.Module, winograd: int = 1) -> tuple[Program, fx.GraphModul
     return prog, gm, last, walk
 
 
-def rewrite(model: nn.Module, winograd: int = 1) -> tuple[fx.GraphModule, _Walk]:
+def rewrite(model: nn.Module, winograd: int = 1, dtype: str = "float32") -> tuple[fx.GraphModule, _Walk]:
     """``model`` traced, its conv region replaced by one Runner call (the model itself is not
     changed); and the walk that found the region."""
-    prog, gm, last, walk = program(model, winograd)
+    prog, gm, last, walk = program(model, winograd, dtype)
     gm.add_submodule("conv_net", Runner(prog))
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module("conv_net", (next(n for n in gm.graph.nodes if n.op == "placeholder"),))
@@ -213,20 +214,24 @@ def rewrite(model: nn.Module, winograd: int = 1) -> tuple[fx.GraphModule, _Walk]
 
 
 class OneDNNConvNet(PerSignature):
-    """Calls a float32 CPU conv net with its trunk as one oneDNN program per input shape.
-    ``winograd``: None follows WINOGRAD; False direct kernels only; True each 3x3 convolution's
-    fastest form; 4 or 2 that Winograd form wherever it applies (tests). ``notes``: a list the first
-    built shape's account is written into (the report's "applied")."""
+    """Calls a CPU conv net with its trunk as one oneDNN program per input shape, in float32 or
+    bfloat16 (``dtype``; float32 in and out either way, and the head after the trunk runs as the model
+    has it). ``winograd``: None follows WINOGRAD; False direct kernels only; True each 3x3
+    convolution's fastest form; 4 or 2 that Winograd form wherever it applies (tests). ``notes``: a
+    list the first built shape's account is written into (the report's "applied")."""
 
     def __init__(self, model: nn.Module, winograd: bool | int | None = None, notes: list | None = None,
-                 max_signatures: int = MAX_SIGNATURES):
+                 dtype: torch.dtype = torch.float32, max_signatures: int = MAX_SIGNATURES):
         why = why_not()
         if why:
             raise Unsupported(why)
         if model.training:
             raise Unsupported("the model is in training mode (its BatchNorm statistics would move)")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported(f"dtype={dtype} (torch.float32 or torch.bfloat16)")
         super().__init__(model, max_signatures)
-        self.rewritten, walk = rewrite(model, int(WINOGRAD if winograd is None else winograd))
+        wino = int(WINOGRAD if winograd is None else winograd)
+        self.rewritten, walk = rewrite(model, wino, str(dtype).removeprefix("torch."))
         self.convs = sum(isinstance(s, Conv) for s in self.rewritten.conv_net.prog.steps)
         self.folded, self.notes = walk.folded, notes
 
@@ -239,8 +244,8 @@ class OneDNNConvNet(PerSignature):
         return fn
 
     def describe(self) -> str:
-        wino = self.winograd()
-        return (f"onednn_conv_net ({self.convs} convolutions, {self.folded} BatchNorms folded; of {len(wino)} 3x3 "
+        wino, dtype = self.winograd(), self.rewritten.conv_net.prog.dtype
+        return (f"onednn_conv_net ({dtype}: {self.convs} convolutions, {self.folded} BatchNorms folded; of {len(wino)} 3x3 "
                 f"stride-1, timed fastest: {wino.count(4)} Winograd F(4x4, 3x3), {wino.count(2)} F(2x2, 3x3), "
                 f"{wino.count(0)} direct)")
 

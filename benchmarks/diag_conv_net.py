@@ -1,0 +1,109 @@
+"""The float oneDNN conv net (passes/onednn_conv_net.py) against the oneDNN Graph trace, and where its
+time goes per 3x3 convolution, direct against Winograd.
+
+    python benchmarks/diag_conv_net.py --model resnet50 --batch 1 --dtypes float32,bfloat16
+
+Part 1, one process, interleaved rounds (each round times every peer for --iters calls, in turn):
+the oneDNN Graph trace of the BatchNorm-folded model (what optimize() served before; bf16: of the
+model cast to bf16), the conv net with oneDNN's direct kernels only, and with each 3x3 stride-1
+convolution in its fastest form. Medians of the per-round medians, and the paired ratio.
+Part 2: each eligible convolution's least time inside whole runs of the net (Net.times), direct
+against the form the Winograd net chose.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.fx.experimental.optimization as fx_opt
+
+from torchkiln import zoo
+from torchkiln.kernels.onednn_net import Conv, _pooled
+from torchkiln.passes.onednn_conv_net import OneDNNConvNet
+from torchkiln.passes.onednn_graph import OneDNNGraph
+
+
+def timed(fn, x, iters: int) -> float:
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn(x)
+    return (time.perf_counter() - t) / iters * 1e3
+
+
+def shapes(net, x) -> dict:
+    """Every slot's (N, C, H, W) in a built net."""
+    dims = {0: tuple(x.shape)}
+    for i, s in enumerate(net.steps, 1):
+        n, c, h, w = dims[s.src]
+        if isinstance(s, Conv):
+            kh, kw = s.weight.shape[2:]
+            dims[i] = (n, s.weight.shape[0], (h + 2 * s.padding[0] - s.dilation[0] * (kh - 1) - 1) // s.stride[0] + 1,
+                       (w + 2 * s.padding[1] - s.dilation[1] * (kw - 1) - 1) // s.stride[1] + 1)
+        elif s.kernel is None:
+            dims[i] = (n, c, *s.size)
+        else:
+            dims[i] = (n, c, _pooled(h, s.kernel[0], s.stride[0], s.padding[0], s.ceil),
+                       _pooled(w, s.kernel[1], s.stride[1], s.padding[1], s.ceil))
+    return dims
+
+
+def per_layer(direct: OneDNNConvNet, wino: OneDNNConvNet, x, calls: int = 10):
+    (nd,), (nw,) = direct.rewritten.conv_net.nets.values(), wino.rewritten.conv_net.nets.values()
+    td, tw, forms, dims = nd.times(calls), nw.times(calls), iter(nw.winograd()), shapes(nd, x)
+    print("| step | conv (C -> K, H x W) | direct us | chosen | chosen us |")
+    print("|---|---|---|---|---|")
+    for i, s in enumerate(nd.steps, 1):
+        c, k = dims[s.src][1], dims[i][1]
+        if isinstance(s, Conv) and tuple(s.weight.shape[2:]) == (3, 3) and s.stride == (1, 1) and c % 16 == 0 \
+                and k % 16 == 0 and s.groups == 1:
+            name = {4: "F(4x4, 3x3)", 2: "F(2x2, 3x3)", 0: "direct"}[next(forms)]
+            print(f"| {i} | {c} -> {k}, {dims[i][2]} x {dims[i][3]} | {td[i] * 1e6:.0f} | {name} | {tw[i] * 1e6:.0f} |")
+    print(f"whole net (sum of least per-op times): direct {sum(td) * 1e3:.2f} ms, chosen {sum(tw) * 1e3:.2f} ms")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=10)
+    a = ap.parse_args()
+    model, x = zoo.load(a.model, a.batch)[:2]
+    for name in a.dtypes.split(","):
+        dtype = getattr(torch, name)
+        folded = fx_opt.fuse(copy.deepcopy(model)).to(dtype)
+        graph = OneDNNGraph(folded)
+        direct = OneDNNConvNet(model, winograd=False, dtype=dtype)
+        wino = OneDNNConvNet(model, winograd=True, dtype=dtype)
+        peers = {"oneDNN Graph trace": lambda t, g=graph, d=dtype: g(t.to(d)), "conv net, direct": direct,
+                 "conv net, Winograd": wino}
+        times = {k: [] for k in peers}
+        with torch.no_grad():
+            ref = model(x)
+            for k, f in peers.items():
+                out = f(x).float()
+                print(f"{a.model} bs{a.batch} {name} {k}: error vs eager float32 "
+                      f"{float((out - ref).norm() / ref.norm()):.2e}")
+                for _ in range(3):
+                    f(x)
+            for r in range(a.rounds):
+                order = list(peers.items())
+                order = order[r % len(order):] + order[:r % len(order)]
+                for k, f in order:
+                    times[k].append(timed(f, x, a.iters))
+        base = times["oneDNN Graph trace"]
+        print(f"\n| {a.model} bs{a.batch} {name} | median ms | vs oneDNN Graph trace (paired) |")
+        print("|---|---|---|")
+        for k, v in times.items():
+            ratio = statistics.median(b / t for b, t in zip(base, v, strict=True))
+            print(f"| {k} | {statistics.median(v):.2f} | {ratio:.2f}x |")
+        print(f"Winograd net: {wino.describe()}\n")
+        per_layer(direct, wino, x)
+        print()
+
+
+if __name__ == "__main__":
+    main()
