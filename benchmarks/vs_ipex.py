@@ -38,6 +38,8 @@ def main():
                 print(cell.row(), flush=True)
                 if cell.candidates_ms:  # what optimize() timed when it chose what it served
                     print("  optimize() measured: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in cell.candidates_ms.items()))
+                if cell.applied:
+                    print("  applied: " + "; ".join(cell.applied))
                 rows.append(cell.row())
     text = "\n".join([ipex_peer.HEADER, *rows])
     print("\n" + text)

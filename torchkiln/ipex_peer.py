@@ -153,7 +153,7 @@ def serve(argv=None) -> None:
     measured = {m.name: m.median_ms for m in getattr(report, "candidates", []) if m.median_ms is not None}
     print(json.dumps({"ready": True, "peer": a.peer, "setup_s": round(time.perf_counter() - t0, 1),
                       "torch": torch.__version__, "threads": torch.get_num_threads(), "served": served,
-                      "candidates_ms": measured}), flush=True)
+                      "candidates_ms": measured, "applied": list(getattr(report, "applied", []))}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if not cmd or cmd[0] != "run":
@@ -222,6 +222,7 @@ class Cell:
     ratio_range: tuple | None = None
     served: str = ""  # what torchkiln served
     candidates_ms: dict = field(default_factory=dict)  # what optimize() measured when it chose
+    applied: list = field(default_factory=list)  # the served candidate's passes and notes (report.applied)
 
     def row(self) -> str:
         def ms(p):
@@ -281,6 +282,7 @@ def compare(model: str, dtype: str = "float32", batch: int = 1, peers=PEERS, rou
         cell.ratio, cell.ratio_range = statistics.median(pairs), (min(pairs), max(pairs))
     kiln = next((p.info for p in procs if p.name == "torchkiln"), {})
     cell.served, cell.candidates_ms = kiln.get("served", ""), kiln.get("candidates_ms", {})
+    cell.applied = kiln.get("applied", [])
     return cell
 
 

@@ -93,7 +93,8 @@ def test_each_form_matches_eager_on_partial_tiles(winograd, forms):
     else:
         assert len(chosen) == 2 and set(chosen) <= {0, 2, 4}
     code = served.rewritten.code
-    assert "conv_net" in code and "conv2" not in code and "head_2" in code  # the Linear stays in the graph
+    # the whole model is one program: pool, flatten and Linear joined it as the classifier head
+    assert "conv_net" in code and "conv2" not in code and "head" not in code
 
 
 class Reread(nn.Module):
@@ -142,6 +143,34 @@ def test_a_bfloat16_model_takes_and_returns_bfloat16():
         ref = model(x)
         got = OneDNNConvNet(model, dtype=torch.bfloat16)(x)
     assert got.dtype == torch.bfloat16 and rel(got.float(), ref.float()) < 0.02
+
+
+class Heads(nn.Module):
+    """Heads the program takes (pool to 1 x 1, flatten, Linear) up to what it does not (a second
+    Linear after a ReLU), and a pool to 2 x 2, whose flatten and Linear stay in the graph."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(size)
+        self.fc1, self.fc2 = nn.Linear(16 * size * size, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(self.pool(self.conv(x)).flatten(1))))
+
+
+@pytest.mark.parametrize("size, joined", [(1, True), (2, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_classifier_head_joins_the_program_only_after_a_global_pool(size, joined, dtype):
+    torch.manual_seed(2)
+    model = Heads(size).eval()
+    x = torch.randn(3, 3, 12, 12)
+    served = OneDNNConvNet(model, dtype=dtype)
+    with torch.no_grad():
+        ref, got = model(x), served(x)
+    assert got.dtype == torch.float32 and rel(got, ref) < (TOL if dtype == torch.float32 else 0.02)
+    code = served.rewritten.code
+    assert ("fc1" not in code) == joined and "fc2" in code
 
 
 def test_each_input_shape_gets_its_own_program_and_the_model_is_untouched():

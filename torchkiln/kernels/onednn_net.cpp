@@ -23,7 +23,7 @@
 // each eligible convolution takes it only where finalize timed it faster than the direct kernel.
 //
 // The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new(dtype, winograd),
-// then kn_input / kn_conv / kn_pool / kn_output in graph order (each
+// then kn_input / kn_conv / kn_pool / kn_linear / kn_output in graph order (each
 // returns a tensor id, or -1 with kn_error set), kn_finalize (primitives, buffers, the Winograd
 // choice), kn_run per call. A net is not reentrant: callers serialise.
 #include <oneapi/dnnl/dnnl.hpp>
@@ -53,7 +53,7 @@ struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32 / bf16
 };
 
 struct Op {
-  enum Kind { INPUT, CONV, POOL, OUTPUT } kind;
+  enum Kind { INPUT, CONV, POOL, LINEAR, OUTPUT } kind;
   int src = -1, other = -1, dst = -1;
   // conv
   std::vector<int8_t> weight;  // OIHW codes (G*O/G, I/G, KH, KW)
@@ -408,6 +408,30 @@ void build_conv(Net* n, Op& op) {
   op.prim = convolution_forward(pd);
 }
 
+// a float net's classifier head: (N, C, 1, 1) -> (N, O, 1, 1), whose NHWC bytes are (N, O)'s
+void build_linear(Net* n, Op& op) {
+  const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
+  primitive_attr attr;
+  attr.set_scratchpad_mode(scratchpad_mode::user);
+  auto bmd = op.has_bias ? memory::desc({d.dims[1]}, dt::f32, tag::a) : memory::desc();
+  auto pd = inner_product_forward::primitive_desc(
+      n->eng, prop_kind::forward_inference, memory::desc({s.dims[0], s.dims[1]}, n->adt, tag::ab),
+      memory::desc({d.dims[1], s.dims[1]}, n->adt, tag::any), bmd, memory::desc({d.dims[0], d.dims[1]}, n->adt, tag::ab),
+      attr);
+  memory plain({{d.dims[1], s.dims[1]}, dt::f32, tag::ab}, n->eng, op.fweight.data());
+  op.wmem = memory(pd.weights_desc(), n->eng);
+  reorder(plain, op.wmem).execute(n->strm, plain, op.wmem);
+  n->strm.wait();
+  op.fweight = {};
+  op.args = {{DNNL_ARG_WEIGHTS, op.wmem}};
+  if (op.has_bias) {
+    op.bmem = memory(bmd, n->eng, op.bias.data());
+    op.args[DNNL_ARG_BIAS] = op.bmem;
+  }
+  n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
+  op.prim = inner_product_forward(pd);
+}
+
 void build_pool(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   primitive_attr attr;
@@ -634,6 +658,24 @@ int kn_pool(void* net, int src, int avg, const int64_t* kernel, const int64_t* s
   });
 }
 
+// a float net's Linear on a flattened (N, C, 1, 1) value; weight: (out_f, C) float32
+int kn_linear(void* net, int src, int64_t out_f, const float* weight, const float* bias) {
+  Net* n = static_cast<Net*>(net);
+  return guarded(n, [&] {
+    const Tensor s = n->tensors.at(src);
+    if (!floating(n) || s.dims[2] * s.dims[3] != 1) throw std::runtime_error("a Linear needs a float net's 1 x 1 value");
+    Op op;
+    op.kind = Op::LINEAR;
+    op.src = src;
+    op.fweight.assign(weight, weight + out_f * s.dims[1]);
+    op.has_bias = bias != nullptr;
+    if (bias) op.bias.assign(bias, bias + out_f);
+    op.dst = add_tensor(n, {s.dims[0], out_f, 1, 1}, 1.f, 0);
+    n->ops.push_back(std::move(op));
+    return n->ops.back().dst;
+  });
+}
+
 // flat: the output is (N, C*H*W) in NCHW order (a flatten); allowed where H = W = 1
 int kn_output(void* net, int src, int flat) {
   Net* n = static_cast<Net*>(net);
@@ -693,6 +735,7 @@ int kn_finalize(void* net) {
     for (auto& op : n->ops) {
       if (op.kind == Op::CONV) build_conv(n, op);
       if (op.kind == Op::POOL) build_pool(n, op);
+      if (op.kind == Op::LINEAR) build_linear(n, op);
       if (op.kind == Op::INPUT) build_reorder(n, op, true);
       if (op.kind == Op::OUTPUT) build_reorder(n, op, false);
     }
@@ -720,6 +763,14 @@ int kn_finalize(void* net) {
         n->out_mem = n->out_flat ? memory({flat, dt::f32, tag::ab}, n->eng, nullptr)
                                  : memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr);
         op.args[DNNL_ARG_TO] = n->out_mem;
+      } else if (op.kind == Op::LINEAR) {  // (N, C, 1, 1) NHWC is (N, C)
+        auto flat = [&](int t) {
+          Tensor& x = n->tensors[t];
+          return memory({{x.dims[0], x.dims[1]}, n->adt, tag::ab}, n->eng, n->buffers[x.buffer].data());
+        };
+        op.args[DNNL_ARG_SRC] = flat(op.src);
+        op.args[DNNL_ARG_DST] = flat(op.dst);
+        op.args[DNNL_ARG_SCRATCHPAD] = scratch;
       } else {
         op.args[DNNL_ARG_SRC] = mem(op.src);
         op.args[DNNL_ARG_DST] = mem(op.dst);

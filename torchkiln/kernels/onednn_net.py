@@ -92,6 +92,7 @@ def load() -> ctypes.CDLL | str:
         "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, vp]),
         "kn_winograd": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
         "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
+        "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -138,10 +139,19 @@ class Pool:
 
 
 @dataclass
+class Linear:
+    """A float program's classifier head: flatten then Linear, on a (N, C, 1, 1) value."""
+
+    src: int
+    weight: torch.Tensor  # (out_features, C) float32
+    bias: torch.Tensor | None
+
+
+@dataclass
 class Program:
     """A conv net as a list of steps over value slots (0: the input; step i makes slot i + 1); built
     into a C net per input shape by ``Net``. int8: the input is quantized with ``scale``/``zp``, and
-    ``flat`` flattens the (N, C, 1, 1) output. float32: ``winograd`` 1 runs each 3x3 stride-1
+    ``flat`` flattens the (N, C, 1, 1) output (as a float program ending in a ``Linear`` does). float32: ``winograd`` 1 runs each 3x3 stride-1
     convolution in whichever of oneDNN's direct kernel, Winograd F(4x4, 3x3) and F(2x2, 3x3) timed
     fastest in the net (onednn_net.cpp says why); 0 the direct kernel only; 4 or 2 that form wherever
     it applies (tests)."""
@@ -195,6 +205,12 @@ class Net:
                                                    ints(ph, pw, ph, pw), ints(dh, dw), s.groups, s.weight.data_ptr(),
                                                    None if s.wscale is None else s.wscale.data_ptr(), bias, s.scale,
                                                    s.zp, int(s.relu))))
+            elif isinstance(s, Linear):
+                if hh * ww != 1:
+                    raise Unsupported(f"a Linear on a flattened value of spatial size {(hh, ww)} (1 x 1 only)")
+                bias = None if s.bias is None else s.bias.data_ptr()
+                ids.append(self._check(lib.kn_linear(h, ids[s.src], s.weight.shape[0], s.weight.data_ptr(), bias)))
+                out = (n, s.weight.shape[0], 1, 1)
             else:
                 if s.kernel is None:
                     oh, ow = s.size
@@ -210,7 +226,7 @@ class Net:
             dims.append(out)
         n, c, hh, ww = dims[prog.out]
         if prog.flat and hh * ww != 1:
-            raise Unsupported(f"a flatten of an int8 value with spatial size {(hh, ww)} (1 x 1 only)")
+            raise Unsupported(f"a flattened output of spatial size {(hh, ww)} (1 x 1 only)")
         self._check(lib.kn_output(h, ids[prog.out], int(prog.flat)))
         return (n, c) if prog.flat else (n, c, hh, ww)
 

@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from ..kernels import onednn_net as kernel
-from ..kernels.onednn_net import Conv, Pool, Program, Runner
+from ..kernels.onednn_net import Conv, Linear, Pool, Program, Runner
 from .onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
 
 # Whether 3x3 convolutions may run as Winograd (each still only where it timed faster). False keeps
@@ -194,8 +194,41 @@ def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
     (last,) = out
     if last is inputs[0]:
         raise Unsupported("the model reads its input outside the conv region")
+    last = _head(gm, walk, last)
     prog.out, prog.winograd = walk.slot[last], winograd
     return prog, gm, last, walk
+
+
+def _flattens(node: fx.Node, gm: fx.GraphModule, value: fx.Node) -> bool:
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        return type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1)
+    if node.op in ("call_function", "call_method") and node.target in (torch.flatten, "flatten"):
+        return not node.kwargs and tuple(node.args) in ((value, 1), (value, 1, -1))
+    return False
+
+
+def _head(gm: fx.GraphModule, walk: _Walk, last: fx.Node) -> fx.Node:
+    """A global average pool's output flattened into one Linear (a classifier head) joins the program:
+    then the whole model runs from C, and a bf16 program reads the head's weights in bf16 (resnet50's
+    fc is 8 MB in float32, read from memory at every call). Returns the region's new last node."""
+    s = walk.slot[last]
+    step = walk.prog.steps[s - 1] if s > 0 else None
+    if not (isinstance(step, Pool) and step.kernel is None and step.size == (1, 1) and walk.tail[s] is last
+            and len(last.users) == 1):
+        return last
+    (flat,) = last.users
+    if not _flattens(flat, gm, last) or len(flat.users) != 1:
+        return last
+    (lin,) = flat.users
+    m = _is(lin, gm, nn.Linear)
+    if m is None or len(lin.args) != 1 or lin.kwargs:
+        return last
+    bias = None if m.bias is None else m.bias.detach().float()
+    walk.add_step(lin, Linear(s, m.weight.detach().float(), bias))
+    walk.prog.flat = True
+    walk.region += [flat, lin]
+    return lin
 
 
 def rewrite(model: nn.Module, winograd: int = 1, dtype: str = "float32") -> tuple[fx.GraphModule, _Walk]:
