@@ -86,4 +86,4 @@ def test_doctor_says_whether_the_int8_net_can_be_built(capsys, monkeypatch, tmp_
     assert out["onednn_net"]["available"] is False
     assert str(tmp_path) in out["onednn_net"]["detail"] and "torchkiln[onednn]" in out["onednn_net"]["detail"]
     assert cli.main(["doctor"]) == 0
-    assert "int8 net not available" in capsys.readouterr().out
+    assert "CNN net  not available" in capsys.readouterr().out

@@ -57,8 +57,8 @@ def _cmd_doctor(args) -> int:
     for dev, schemes in report.get("quantization", {}).items():
         print(f"Quant    {doctor.quant_line(dev, schemes)}  (tk.quantize schemes)")
     net = report["onednn_net"]
-    print(f"int8 net {'available: ' if net['available'] else 'not available: '}{net['detail']}  "
-          "(int8 CNNs as one oneDNN program)")
+    print(f"CNN net  {'available: ' if net['available'] else 'not available: '}{net['detail']}  "
+          "(CNNs as one oneDNN program: int8, float32 and bf16 with Winograd 3x3 convolutions)")
     for p in report["problems"]:
         print(f"PROBLEM  {p['device']}: {p['detail']}\n  cause: {p['cause']}\n  fix:   {p['fix']}")
     return 0

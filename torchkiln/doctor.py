@@ -159,8 +159,9 @@ def run(timeout: float | None = None) -> dict:
 
 
 def onednn_net() -> dict:
-    """Whether the int8 CNN runner (quantization/onednn_net.py) can be built here: its oneDNN found
-    (library and headers), or why not. Looks only; the first int8 optimize compiles it."""
+    """Whether the CNN runner (kernels/onednn_net.cpp: int8, float32 and bf16 conv nets) can be built
+    here: its oneDNN found (library and headers), or why not. Looks only; the first optimize of a CPU
+    conv net compiles it."""
     from .kernels import onednn_net as kernel
 
     found = kernel.find()

@@ -97,6 +97,32 @@ def test_each_form_matches_eager_on_partial_tiles(winograd, forms):
     assert "conv_net" in code and "conv2" not in code and "head" not in code
 
 
+class Grouped(nn.Module):
+    """Depthwise, grouped, dilated and strided convolutions (direct kernels), a bias-free conv before
+    a BatchNorm, ReLU as a method, and a max pool with padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 24, 3, stride=2, padding=1)
+        self.dw, self.bn = nn.Conv2d(24, 24, 3, padding=2, dilation=2, groups=24, bias=False), bn(24)
+        self.g = nn.Conv2d(24, 32, 3, padding=1, groups=4)
+        self.pool = nn.MaxPool2d(2, 2, 1)
+
+    def forward(self, x):
+        y = self.bn(self.dw(self.a(x))).relu()
+        return self.pool(self.g(y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_dilated_and_strided_convolutions_match_eager(dtype):
+    torch.manual_seed(3)
+    model = Grouped().eval()
+    x = torch.randn(2, 3, 19, 23)
+    with torch.no_grad():
+        ref, got = model(x), OneDNNConvNet(model, dtype=dtype)(x)
+    assert got.shape == ref.shape and rel(got, ref) < (TOL if dtype == torch.float32 else 0.02)
+
+
 class Reread(nn.Module):
     """A residual operand read again after the add that takes it (the program copies it first), and
     an add whose operand is the convolution's own input."""
