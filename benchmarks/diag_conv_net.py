@@ -20,7 +20,7 @@ import torch
 import torch.fx.experimental.optimization as fx_opt
 
 from torchkiln import zoo
-from torchkiln.kernels.onednn_net import Conv, _pooled
+from torchkiln.kernels.onednn_net import Conv, Linear, _pooled
 from torchkiln.passes.onednn_conv_net import OneDNNConvNet
 from torchkiln.passes.onednn_graph import OneDNNGraph
 
@@ -41,6 +41,8 @@ def shapes(net, x) -> dict:
             kh, kw = s.weight.shape[2:]
             dims[i] = (n, s.weight.shape[0], (h + 2 * s.padding[0] - s.dilation[0] * (kh - 1) - 1) // s.stride[0] + 1,
                        (w + 2 * s.padding[1] - s.dilation[1] * (kw - 1) - 1) // s.stride[1] + 1)
+        elif isinstance(s, Linear):
+            dims[i] = (n, s.weight.shape[0], 1, 1)
         elif s.kernel is None:
             dims[i] = (n, c, *s.size)
         else:
