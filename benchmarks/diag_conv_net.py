@@ -2,6 +2,7 @@
 time goes per 3x3 convolution, direct against Winograd.
 
     python benchmarks/diag_conv_net.py --model resnet50 --batch 1 --dtypes float32,bfloat16
+    python benchmarks/diag_conv_net.py --model resnet18      # or vgg11: defined here, torchvision's layout
 
 Part 1, one process, interleaved rounds (each round times every peer for --iters calls, in turn):
 the oneDNN Graph trace of the BatchNorm-folded model (what optimize() served before; bf16: of the
@@ -18,11 +19,69 @@ import time
 
 import torch
 import torch.fx.experimental.optimization as fx_opt
+from torch import nn
 
 from torchkiln import zoo
 from torchkiln.kernels.onednn_net import Conv, Linear, _pooled
 from torchkiln.passes.onednn_conv_net import OneDNNConvNet
 from torchkiln.passes.onednn_graph import OneDNNGraph
+
+
+class _Basic(nn.Module):
+    """torchvision's BasicBlock: two 3x3 convolutions, the residual added before the last ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x if self.down is None else self.down(x)
+        return self.relu(out)
+
+
+def resnet18() -> nn.Module:
+    layers, cin = [], 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [_Basic(cin, cout, stride), _Basic(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(3, 2, 1), *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 1000))
+
+
+def vgg11() -> nn.Module:
+    """torchvision's VGG-11 (no BatchNorm): eight 3x3 convolutions, then a 7x7 pool and a 3-layer head."""
+    layers, cin = [], 3
+    for v in (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"):
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+        else:
+            layers += [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU(inplace=True)]
+            cin = v
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(7), nn.Flatten(), nn.Linear(512 * 49, 4096), nn.ReLU(True),
+                         nn.Dropout(), nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(), nn.Linear(4096, 1000))
+
+
+LOCAL = {"resnet18": resnet18, "vgg11": vgg11}
+
+
+def load(name: str, batch: int):
+    if name not in LOCAL:
+        return zoo.load(name, batch)[:2]
+    torch.manual_seed(0)
+    model = LOCAL[name]().eval()
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():  # running statistics a trained model has
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model, torch.randn(batch, 3, 224, 224)
 
 
 def timed(fn, x, iters: int) -> float:
@@ -73,7 +132,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
     a = ap.parse_args()
-    model, x = zoo.load(a.model, a.batch)[:2]
+    model, x = load(a.model, a.batch)
     for name in a.dtypes.split(","):
         dtype = getattr(torch, name)
         folded = fx_opt.fuse(copy.deepcopy(model)).to(dtype)

@@ -197,18 +197,22 @@ def test_a_classifier_head_joins_the_program_only_after_a_global_pool(size, join
     assert ("fc1" not in code) == joined and "fc2" in code
 
 
-def test_each_input_shape_gets_its_own_program_and_the_model_is_untouched():
-    model = small()
+@pytest.mark.parametrize("model, dtype", [(small(), torch.float32), (small(), torch.bfloat16),
+                                          (Heads(2).eval(), torch.bfloat16)])
+def test_each_input_shape_gets_its_own_program_and_the_model_is_untouched(model, dtype):
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    served = OneDNNConvNet(model, winograd=4)
+    modules = [n for n, _ in model.named_modules()]
+    served = OneDNNConvNet(model, winograd=4, dtype=dtype)
     with torch.no_grad():
-        for shape in [(1, 3, 16, 16), (3, 3, 21, 17)]:
+        for shape in [(1, 3, 16, 16), (3, 3, 20, 26)]:  # Heads(2) pools 20 x 26 to 2 x 2 (divisors only)
             x = torch.randn(shape)
-            assert rel(served(x), model(x)) < TOL
+            got = served(x)
+            assert got.dtype == torch.float32 and rel(got, model(x)) < (TOL if dtype == torch.float32 else 0.02)
     assert len(served.rewritten.conv_net.nets) == 2
+    # BatchNorm folded into copies; a bf16 head runs on copies (Heads(2)'s fc1, fc2)
     after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm folded into copies
-    assert model.stem[0].weight is not None and isinstance(model.stem[1], nn.BatchNorm2d)
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert [n for n, _ in model.named_modules()] == modules
 
 
 class TwoOut(nn.Module):

@@ -288,8 +288,9 @@ class Runner(nn.Module):
             if isinstance(lib, str):
                 raise Unsupported(lib)
             net = self.nets[tuple(x.shape)] = Net(lib, self.prog, tuple(x.shape))
-        if x.dtype == torch.float32:
-            return net(x)
-        return net(x.float()).to(x.dtype)
+        # a bf16 program answers in bf16 (the head after it runs on bf16 copies: passes/onednn_conv_net.py)
+        want = torch.bfloat16 if self.prog.dtype == "bfloat16" else x.dtype
+        out = net(x if x.dtype == torch.float32 else x.float())
+        return out if want == torch.float32 else out.to(want)
 
 

@@ -21,11 +21,13 @@ model with the reason, and the other candidates serve it.
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
 from torch import fx, nn
 
+from .. import inputs
 from ..kernels import onednn_net as kernel
 from ..kernels.onednn_net import Conv, Linear, Pool, Program, Runner
 from .onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
@@ -246,6 +248,21 @@ def rewrite(model: nn.Module, winograd: int = 1, dtype: str = "float32") -> tupl
     return gm, walk
 
 
+def _head_in_bf16(gm: fx.GraphModule) -> fx.GraphModule:
+    """What runs after a bf16 program (a classifier the program could not take), on bf16 copies of its
+    modules and tensors: in float32 it read twice the bytes, and VGG-11's 480 MB head at batch 1 made the
+    bf16 conv net 0.60-0.75x the oneDNN Graph trace of the model cast to bf16 (RESULTS.md)."""
+    gm.delete_all_unused_submodules()
+    for name, child in list(gm.named_children()):
+        if name != "conv_net":  # the program holds its own weights; the others are the model's: copied
+            setattr(gm, name, copy.deepcopy(child).to(torch.bfloat16))
+    for name, t in list(gm.named_parameters(recurse=False)) + list(gm.named_buffers(recurse=False)):
+        if t.is_floating_point():  # a tensor the graph reads by get_attr, held by the graph module itself
+            cast = t.detach().to(torch.bfloat16)
+            setattr(gm, name, nn.Parameter(cast, requires_grad=False) if isinstance(t, nn.Parameter) else cast)
+    return gm
+
+
 class OneDNNConvNet(PerSignature):
     """Calls a CPU conv net with its trunk as one oneDNN program per input shape, in float32 or
     bfloat16 (``dtype``; float32 in and out either way, and the head after the trunk runs as the model
@@ -265,8 +282,19 @@ class OneDNNConvNet(PerSignature):
         super().__init__(model, max_signatures)
         wino = int(WINOGRAD if winograd is None else winograd)
         self.rewritten, walk = rewrite(model, wino, str(dtype).removeprefix("torch."))
+        self.dtype = dtype
+        if dtype == torch.bfloat16:
+            self.rewritten = _head_in_bf16(self.rewritten)
         self.convs = sum(isinstance(s, Conv) for s in self.rewritten.conv_net.prog.steps)
         self.folded, self.notes = walk.folded, notes
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        if self.dtype == torch.float32:
+            return out
+        # answered in the inputs' floating dtype, as the other cast candidates do (stock.py)
+        want = next((t.dtype for t in inputs.flatten((args, kwargs)) if t.is_floating_point()), torch.float32)
+        return inputs.tree_map(lambda t: t.to(want) if t.is_floating_point() else t, out)
 
     def _trace(self, args, kwargs):
         fn = _Bound(self.rewritten, args, kwargs)
