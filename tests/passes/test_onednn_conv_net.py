@@ -263,17 +263,19 @@ def test_a_model_in_training_mode_and_another_dtype_are_refused():
         OneDNNConvNet(small(), dtype=torch.float16)
 
 
-def test_optimize_times_it_and_serves_only_a_verified_candidate():
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.02)])
+def test_optimize_times_it_and_serves_only_a_verified_candidate(dtype, tol):
     model = small()
     x = torch.randn(2, 3, 30, 30)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fast = tk.optimize(model, dtype=torch.float32, sample_input=x, time_budget=0.5)
+        fast = tk.optimize(model, dtype=dtype, sample_input=x, time_budget=0.5)
     report = tk.report(fast)
-    row = next(m for m in report.candidates if m.name.startswith("torchkiln oneDNN conv net"))
+    name = f"torchkiln oneDNN conv net ({str(dtype).removeprefix('torch.')})"
+    row = next(m for m in report.candidates if m.name == name)
     assert row.status in ("passed", "served"), (row.status, row.reason)
-    if report.active.startswith("torchkiln oneDNN conv net"):
+    if report.active == name:
         assert any(a.startswith("onednn_conv_net (") for a in report.applied)
     with torch.no_grad():
         ref, got = model(x), fast(x)
-    assert rel(got, ref) < 1e-4
+    assert got.dtype == torch.float32 and rel(got, ref) < tol
