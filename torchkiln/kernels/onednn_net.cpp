@@ -15,12 +15,13 @@
 // Why Winograd is hand-written: oneDNN 3.x dropped its CPU Winograd convolutions, and its direct
 // 3x3 kernels already run near this machine's FMA rate (brgconv: 480-590 GFLOP/s on 2 Zen 5 cores),
 // so fewer multiplies is the one way left to go faster. F(4x4, 3x3) does a 3x3 convolution's work as
-// 36 GEMMs of a quarter the size (oneDNN's batched matmul) between two small transforms. Against
-// oneDNN's direct kernel, resnet50's bs1 3x3 convolutions: 56x56x64 2.4x, 28x28x128 2.7x,
-// 14x14x256 2.0x faster, 7x7x512 0.7x (there the 4x larger transformed weights are read from
-// memory; RESULTS.md "Winograd"). Its rounding differs from the direct sum by about 5e-6 of the
-// output's range in float32 (cuDNN's and the old oneDNN's Winograd are used the same way), and
-// each eligible convolution takes it only where finalize timed it faster than the direct kernel.
+// 36 GEMMs of a quarter the size (oneDNN's batched matmul) between two small transforms; F(2x2, 3x3)
+// as 16 GEMMs with 1.8x (not 4x) the weights' bytes, which wins where those are read from memory.
+// Inside resnet50 at bs1 (float32, direct -> chosen, RESULTS.md "Forty-seventh session"): 56x56x64
+// 455 -> 205 us (F(4x4)), 28x28x128 430 -> 182 (F(4x4)), 14x14x256 425 -> 285 (F(2x2)), 7x7x512
+// 505 -> 480 (F(2x2)). Its rounding differs from the direct sum by about 5e-6 of the output's range
+// in float32 (cuDNN's and the old oneDNN's Winograd are used the same way); each eligible
+// convolution takes the form that finalize timed fastest inside the net, the direct kernel included.
 //
 // The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new(dtype, winograd),
 // then kn_input / kn_conv / kn_pool / kn_linear / kn_output in graph order (each
