@@ -108,6 +108,17 @@ def test_each_form_matches_eager_on_partial_tiles(winograd, forms):
     assert "conv_net" in code and "conv2" not in code and "head" not in code
 
 
+@pytest.mark.parametrize("winograd", [4, 2])
+def test_many_tiles_go_through_in_chunks_with_a_tail(winograd):
+    # 32 channels: a 4 MiB chunk holds 910 F(4x4) tiles (2 x 23 x 23 = 1058 here) or 2048 F(2x2) ones
+    # (2 x 46 x 46 = 4232): both forms run full chunks and a shorter last one
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1)).eval()
+    served = assert_matches_eager(model, torch.randn(2, 3, 92, 92), winograd=winograd)
+    assert served.winograd() == [winograd, winograd]
+
+
 class Grouped(nn.Module):
     """Depthwise, grouped, dilated and strided convolutions (direct kernels), a bias-free conv before
     a BatchNorm, ReLU as a method, and a max pool with padding."""

@@ -76,8 +76,9 @@ struct Op {
   struct Wino {
     int m = 0;  // output tile: 4 or 2
     int64_t tiles_h = 0, tiles_w = 0, tiles = 0;
-    primitive gemm;
-    std::unordered_map<int, memory> args;
+    int64_t chunk = 0;  // tiles per GEMM call (the last call takes the rest: `tail`)
+    primitive gemm, tail;
+    std::unordered_map<int, memory> args, tail_args;
     memory u;  // transformed weights ((m + 2)^2, C, K) in the matmul's layout
   };
   std::vector<Wino> winos;
@@ -241,46 +242,47 @@ inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K
     }
 }
 
-// x: NHWC -> v: (A*A, T, C), T = N * th * tw tiles of m x m outputs; bf16: both are
+// x: NHWC -> v: (A*A, tn, C) for tiles t0 .. t0 + tn of the N * th * tw tiles of m x m outputs;
+// bf16: both are
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void wino_input(int mt, bool bf16, const void* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t th, int64_t tw,
-                void* v) {
-  const int64_t T = N * th * tw, CB = C / 16;
+void wino_input(int mt, bool bf16, const void* x, int64_t C, int64_t H, int64_t W, int64_t th, int64_t tw, int64_t t0,
+                int64_t tn, void* v) {
+  const int64_t CB = C / 16;
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < T; t++)
+  for (int64_t t = t0; t < t0 + tn; t++)
     for (int64_t cb = 0; cb < CB; cb++) {
       const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt - 1, x0 = (t % tw) * mt - 1;
       const int64_t at = b * H * W * C + cb * 16;
       if (bf16 && mt == 4)
-        input_tile<F43>((const uint16_t*)x + at, C, H, W, y0, x0, T, t, (uint16_t*)v + cb * 16);
+        input_tile<F43>((const uint16_t*)x + at, C, H, W, y0, x0, tn, t - t0, (uint16_t*)v + cb * 16);
       else if (bf16)
-        input_tile<F23>((const uint16_t*)x + at, C, H, W, y0, x0, T, t, (uint16_t*)v + cb * 16);
+        input_tile<F23>((const uint16_t*)x + at, C, H, W, y0, x0, tn, t - t0, (uint16_t*)v + cb * 16);
       else if (mt == 4)
-        input_tile<F43>((const float*)x + at, C, H, W, y0, x0, T, t, (float*)v + cb * 16);
+        input_tile<F43>((const float*)x + at, C, H, W, y0, x0, tn, t - t0, (float*)v + cb * 16);
       else
-        input_tile<F23>((const float*)x + at, C, H, W, y0, x0, T, t, (float*)v + cb * 16);
+        input_tile<F23>((const float*)x + at, C, H, W, y0, x0, tn, t - t0, (float*)v + cb * 16);
     }
 }
 
-// r: (A*A, T, K) float32 -> y: NHWC, float32 or bf16
+// r: (A*A, tn, K) float32, tiles t0 .. t0 + tn -> y: NHWC, float32 or bf16
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void wino_output(int mt, bool bf16, const float* r, int64_t N, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw,
-                 const float* bias, bool sum, bool relu, void* y) {
-  const int64_t T = N * th * tw, KB = K / 16;
+void wino_output(int mt, bool bf16, const float* r, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw, int64_t t0,
+                 int64_t tn, const float* bias, bool sum, bool relu, void* y) {
+  const int64_t KB = K / 16;
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < T; t++)
+  for (int64_t t = t0; t < t0 + tn; t++)
     for (int64_t kb = 0; kb < KB; kb++) {
       const int64_t b = t / (th * tw), y0 = (t / tw % th) * mt, x0 = (t % tw) * mt;
       const int64_t at = b * H * W * K + kb * 16;
       const float* bk = bias ? bias + kb * 16 : nullptr;
       if (bf16 && mt == 4)
-        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (uint16_t*)y + at);
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (uint16_t*)y + at);
       else if (bf16)
-        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (uint16_t*)y + at);
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (uint16_t*)y + at);
       else if (mt == 4)
-        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (float*)y + at);
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (float*)y + at);
       else
-        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, T, t, bk, sum, relu, (float*)y + at);
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (float*)y + at);
     }
 }
 
@@ -302,7 +304,12 @@ std::vector<float> transform_weights(const std::vector<float>& w, int64_t K, int
   return u;
 }
 
-// one Winograd form of an eligible convolution: its transformed weights and batched GEMM
+// The transformed input and GEMM output of one GEMM call stay under this many bytes: the tiles go
+// through in chunks, so a large batch neither holds the whole transformed tensor (resnet50 bs64's
+// first F(2x2) layer: 205 MB each for input and output) nor spills it from cache between the steps.
+constexpr int64_t CHUNK_BYTES = 4 << 20;
+
+// one Winograd form of an eligible convolution: its transformed weights and batched GEMMs
 void build_wino(Net* n, Op& op, int mt) {
   const Tensor& s = n->tensors[op.src];
   const int64_t C = op.wdims[1], K = op.wdims[0], A = mt + 2;
@@ -311,19 +318,29 @@ void build_wino(Net* n, Op& op, int mt) {
   f.tiles_h = (s.dims[2] + mt - 1) / mt;
   f.tiles_w = (s.dims[3] + mt - 1) / mt;
   f.tiles = s.dims[0] * f.tiles_h * f.tiles_w;
+  f.chunk = std::min(f.tiles, std::max<int64_t>(1, CHUNK_BYTES / (A * A * std::max(C, K) * 4)));
   std::vector<float> u = mt == 4 ? transform_weights<F43>(op.fweight, K, C) : transform_weights<F23>(op.fweight, K, C);
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
   // bf16: the transformed input and weights in bf16, the GEMM's sums and the output transform in f32
-  auto pd = matmul::primitive_desc(n->eng, memory::desc({A * A, f.tiles, C}, n->adt, tag::abc),
-                                   memory::desc({A * A, C, K}, n->adt, tag::any),
-                                   memory::desc({A * A, f.tiles, K}, dt::f32, tag::abc), attr);
+  auto gemm = [&](int64_t tiles) {
+    return matmul::primitive_desc(n->eng, memory::desc({A * A, tiles, C}, n->adt, tag::abc),
+                                  memory::desc({A * A, C, K}, n->adt, tag::any),
+                                  memory::desc({A * A, tiles, K}, dt::f32, tag::abc), attr);
+  };
+  auto pd = gemm(f.chunk);
   memory plain({{A * A, C, K}, dt::f32, tag::abc}, n->eng, u.data());
   f.u = memory(pd.weights_desc(), n->eng);
   reorder(plain, f.u).execute(n->strm, plain, f.u);
   n->strm.wait();
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   f.gemm = matmul(pd);
+  if (f.tiles % f.chunk) {
+    auto tail = gemm(f.tiles % f.chunk);
+    if (tail.weights_desc() != pd.weights_desc()) throw std::runtime_error("Winograd GEMMs differ in weight layout");
+    n->scratch.resize(std::max<size_t>(n->scratch.size(), tail.scratchpad_desc().get_size()));
+    f.tail = matmul(tail);
+  }
   op.winos.push_back(std::move(f));
 }
 
@@ -331,12 +348,18 @@ void run_wino(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   Op::Wino& f = op.winos[op.form];
   const bool bf16 = n->adt == dt::bf16;
-  wino_input(f.m, bf16, op.src_ptr, s.dims[0], s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w,
-             n->wino_v.get_data_handle());
-  f.gemm.execute(n->strm, f.args);
-  wino_output(f.m, bf16, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[0], d.dims[1], d.dims[2],
-              d.dims[3], f.tiles_h, f.tiles_w, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
-              op.dst_ptr);
+  for (int64_t t0 = 0; t0 < f.tiles; t0 += f.chunk) {
+    const int64_t tn = std::min(f.chunk, f.tiles - t0);
+    wino_input(f.m, bf16, op.src_ptr, s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w, t0, tn,
+               n->wino_v.get_data_handle());
+    if (tn == f.chunk)
+      f.gemm.execute(n->strm, f.args);
+    else
+      f.tail.execute(n->strm, f.tail_args);
+    wino_output(f.m, bf16, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[1], d.dims[2], d.dims[3],
+                f.tiles_h, f.tiles_w, t0, tn, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
+                op.dst_ptr);
+  }
 }
 
 void build_conv(Net* n, Op& op) {
@@ -471,14 +494,14 @@ void build_reorder(Net* n, Op& op, bool quantize) {
   op.prim = reorder(pd);
 }
 
-// the shared transform buffers (sized for the largest Winograd form) and each form's arguments
+// the shared transform buffers (sized for the largest Winograd form's chunk) and each form's arguments
 bool bind_wino(Net* n, memory& scratch) {
   size_t v = 0, m = 0;
   for (auto& op : n->ops)
     for (auto& f : op.winos) {
       const int64_t a2 = (f.m + 2) * (f.m + 2);
-      v = std::max<size_t>(v, (size_t)a2 * f.tiles * op.wdims[1]);
-      m = std::max<size_t>(m, (size_t)a2 * f.tiles * op.wdims[0]);
+      v = std::max<size_t>(v, (size_t)a2 * f.chunk * op.wdims[1]);
+      m = std::max<size_t>(m, (size_t)a2 * f.chunk * op.wdims[0]);
     }
   if (!v) return false;
   n->wino_v = memory({{(memory::dim)v}, n->adt, tag::a}, n->eng);
@@ -489,10 +512,15 @@ bool bind_wino(Net* n, memory& scratch) {
     op.dst_ptr = n->buffers[n->tensors[op.dst].buffer].data();
     for (auto& f : op.winos) {
       const int64_t a2 = (f.m + 2) * (f.m + 2);
-      f.args = {{DNNL_ARG_SRC, memory({{a2, f.tiles, op.wdims[1]}, n->adt, tag::abc}, n->eng, n->wino_v.get_data_handle())},
-                {DNNL_ARG_WEIGHTS, f.u},
-                {DNNL_ARG_DST, memory({{a2, f.tiles, op.wdims[0]}, dt::f32, tag::abc}, n->eng, n->wino_m.get_data_handle())},
-                {DNNL_ARG_SCRATCHPAD, scratch}};
+      auto args = [&](int64_t tiles) {
+        return std::unordered_map<int, memory>{
+            {DNNL_ARG_SRC, memory({{a2, tiles, op.wdims[1]}, n->adt, tag::abc}, n->eng, n->wino_v.get_data_handle())},
+            {DNNL_ARG_WEIGHTS, f.u},
+            {DNNL_ARG_DST, memory({{a2, tiles, op.wdims[0]}, dt::f32, tag::abc}, n->eng, n->wino_m.get_data_handle())},
+            {DNNL_ARG_SCRATCHPAD, scratch}};
+      };
+      f.args = args(f.chunk);
+      if (f.tiles % f.chunk) f.tail_args = args(f.tiles % f.chunk);
     }
   }
   return true;
