@@ -22,7 +22,6 @@ import torch.fx.experimental.optimization as fx_opt
 from torch import nn
 
 from torchkiln import zoo
-from torchkiln.kernels.onednn_net import Conv, Linear, _pooled
 from torchkiln.passes.onednn_conv_net import OneDNNConvNet
 from torchkiln.passes.onednn_graph import OneDNNGraph
 
@@ -91,36 +90,16 @@ def timed(fn, x, iters: int) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-def shapes(net, x) -> dict:
-    """Every slot's (N, C, H, W) in a built net."""
-    dims = {0: tuple(x.shape)}
-    for i, s in enumerate(net.steps, 1):
-        n, c, h, w = dims[s.src]
-        if isinstance(s, Conv):
-            kh, kw = s.weight.shape[2:]
-            dims[i] = (n, s.weight.shape[0], (h + 2 * s.padding[0] - s.dilation[0] * (kh - 1) - 1) // s.stride[0] + 1,
-                       (w + 2 * s.padding[1] - s.dilation[1] * (kw - 1) - 1) // s.stride[1] + 1)
-        elif isinstance(s, Linear):
-            dims[i] = (n, s.weight.shape[0], 1, 1)
-        elif s.kernel is None:
-            dims[i] = (n, c, *s.size)
-        else:
-            dims[i] = (n, c, _pooled(h, s.kernel[0], s.stride[0], s.padding[0], s.ceil),
-                       _pooled(w, s.kernel[1], s.stride[1], s.padding[1], s.ceil))
-    return dims
-
-
-def per_layer(direct: OneDNNConvNet, wino: OneDNNConvNet, x, calls: int = 10):
+def per_layer(direct: OneDNNConvNet, wino: OneDNNConvNet, calls: int = 10):
     (nd,), (nw,) = direct.rewritten.conv_net.nets.values(), wino.rewritten.conv_net.nets.values()
-    td, tw, forms, dims = nd.times(calls), nw.times(calls), iter(nw.winograd()), shapes(nd, x)
+    td, tw, forms, dims = nd.times(calls), nw.times(calls), nw.forms(), nd.dims
     print("| step | conv (C -> K, H x W) | direct us | chosen | chosen us |")
     print("|---|---|---|---|---|")
     for i, s in enumerate(nd.steps, 1):
-        c, k = dims[s.src][1], dims[i][1]
-        if isinstance(s, Conv) and tuple(s.weight.shape[2:]) == (3, 3) and s.stride == (1, 1) and c % 16 == 0 \
-                and k % 16 == 0 and s.groups == 1:
-            name = {4: "F(4x4, 3x3)", 2: "F(2x2, 3x3)", 0: "direct"}[next(forms)]
-            print(f"| {i} | {c} -> {k}, {dims[i][2]} x {dims[i][3]} | {td[i] * 1e6:.0f} | {name} | {tw[i] * 1e6:.0f} |")
+        if forms[i] >= 0:  # a convolution that could take Winograd
+            c, (k, h, w) = dims[s.src][1], dims[i][1:]
+            name = {4: "F(4x4, 3x3)", 2: "F(2x2, 3x3)", 0: "direct"}[forms[i]]
+            print(f"| {i} | {c} -> {k}, {h} x {w} | {td[i] * 1e6:.0f} | {name} | {tw[i] * 1e6:.0f} |")
     print(f"whole net (sum of least per-op times): direct {sum(td) * 1e3:.2f} ms, chosen {sum(tw) * 1e3:.2f} ms")
 
 
@@ -162,7 +141,7 @@ def main():
             ratio = statistics.median(b / t for b, t in zip(base, v, strict=True))
             print(f"| {k} | {statistics.median(v):.2f} | {ratio:.2f}x |")
         print(f"Winograd net: {wino.describe()}\n")
-        per_layer(direct, wino, x)
+        per_layer(direct, wino)
         print()
 
 

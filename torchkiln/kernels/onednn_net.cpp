@@ -83,8 +83,6 @@ struct Op {
   };
   std::vector<Wino> winos;
   int form = -1;
-  void* src_ptr = nullptr;
-  void* dst_ptr = nullptr;
 };
 
 struct Net {
@@ -103,12 +101,20 @@ struct Net {
   std::string error;
 };
 
-memory::desc nhwc(const Tensor& t) { return memory::desc(t.dims, dt::u8, tag::nhwc); }
-// NHWC is the layout oneDNN's float brgconv kernels pick for themselves ("any"); given nChw16c
-// instead, oneDNN 3.2 runs its older jit kernels (resnet50's 7x7x512 3x3 convolution: 402 us NHWC,
-// 520 us nChw16c on 2 Zen 5 cores)
 bool floating(const Net* n) { return n->adt != dt::u8; }
+// An activation's memory: NHWC in every form. For floats it is the layout oneDNN's brgconv kernels
+// pick for themselves ("any"); given nChw16c instead, oneDNN 3.2 runs its older jit kernels
+// (resnet50's 7x7x512 3x3 convolution: 402 us NHWC, 520 us nChw16c on 2 Zen 5 cores).
 memory::desc act(const Net* n, const Tensor& t) { return memory::desc(t.dims, n->adt, tag::nhwc); }
+void* data(Net* n, int t) { return n->buffers[n->tensors[t].buffer].data(); }
+
+// `plain` (weights in torch's order, at `src`) reordered once into a primitive's own layout `want`
+memory packed(Net* n, const memory::desc& plain, const void* src, const memory::desc& want) {
+  memory from(plain, n->eng, const_cast<void*>(src)), to(want, n->eng);
+  reorder(from, to).execute(n->strm, from, to);
+  n->strm.wait();
+  return to;
+}
 memory::dim numel(const memory::dims& d) {
   memory::dim n = 1;
   for (auto v : d) n *= v;
@@ -329,10 +335,7 @@ void build_wino(Net* n, Op& op, int mt) {
                                   memory::desc({A * A, tiles, K}, dt::f32, tag::abc), attr);
   };
   auto pd = gemm(f.chunk);
-  memory plain({{A * A, C, K}, dt::f32, tag::abc}, n->eng, u.data());
-  f.u = memory(pd.weights_desc(), n->eng);
-  reorder(plain, f.u).execute(n->strm, plain, f.u);
-  n->strm.wait();
+  f.u = packed(n, {{A * A, C, K}, dt::f32, tag::abc}, u.data(), pd.weights_desc());
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   f.gemm = matmul(pd);
   if (f.tiles % f.chunk) {
@@ -350,7 +353,7 @@ void run_wino(Net* n, Op& op) {
   const bool bf16 = n->adt == dt::bf16;
   for (int64_t t0 = 0; t0 < f.tiles; t0 += f.chunk) {
     const int64_t tn = std::min(f.chunk, f.tiles - t0);
-    wino_input(f.m, bf16, op.src_ptr, s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w, t0, tn,
+    wino_input(f.m, bf16, data(n, op.src), s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w, t0, tn,
                n->wino_v.get_data_handle());
     if (tn == f.chunk)
       f.gemm.execute(n->strm, f.args);
@@ -358,7 +361,7 @@ void run_wino(Net* n, Op& op) {
       f.tail.execute(n->strm, f.tail_args);
     wino_output(f.m, bf16, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[1], d.dims[2], d.dims[3],
                 f.tiles_h, f.tiles_w, t0, tn, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
-                op.dst_ptr);
+                data(n, op.dst));
   }
 }
 
@@ -394,12 +397,9 @@ void build_conv(Net* n, Op& op) {
   auto pd = convolution_forward::primitive_desc(n->eng, prop_kind::forward_inference,
                                                 algorithm::convolution_direct, act(n, s), wany, bmd, act(n, d),
                                                 op.strides, op.dil, op.pad_l, op.pad_r, attr);
-  // weights reordered once into the kernel's own layout
-  void* wsrc = floating(n) ? (void*)op.fweight.data() : (void*)op.weight.data();
-  memory plain({wd, floating(n) ? dt::f32 : dt::s8, op.groups > 1 ? tag::goihw : tag::oihw}, n->eng, wsrc);
-  op.wmem = memory(pd.weights_desc(), n->eng);
-  reorder(plain, op.wmem).execute(n->strm, plain, op.wmem);
-  n->strm.wait();
+  const void* wsrc = floating(n) ? (const void*)op.fweight.data() : (const void*)op.weight.data();
+  op.wmem = packed(n, {wd, floating(n) ? dt::f32 : dt::s8, op.groups > 1 ? tag::goihw : tag::oihw}, wsrc,
+                   pd.weights_desc());
   if (wino_eligible(n, op)) {
     // In a bf16 net, the transformed input and weights are rounded to bf16 as well. F(4x4)'s
     // transforms (coefficients to 25) amplify that rounding more than F(2x2)'s, but the activations'
@@ -442,10 +442,7 @@ void build_linear(Net* n, Op& op) {
       n->eng, prop_kind::forward_inference, memory::desc({s.dims[0], s.dims[1]}, n->adt, tag::ab),
       memory::desc({d.dims[1], s.dims[1]}, n->adt, tag::any), bmd, memory::desc({d.dims[0], d.dims[1]}, n->adt, tag::ab),
       attr);
-  memory plain({{d.dims[1], s.dims[1]}, dt::f32, tag::ab}, n->eng, op.fweight.data());
-  op.wmem = memory(pd.weights_desc(), n->eng);
-  reorder(plain, op.wmem).execute(n->strm, plain, op.wmem);
-  n->strm.wait();
+  op.wmem = packed(n, {{d.dims[1], s.dims[1]}, dt::f32, tag::ab}, op.fweight.data(), pd.weights_desc());
   op.fweight = {};
   op.args = {{DNNL_ARG_WEIGHTS, op.wmem}};
   if (op.has_bias) {
@@ -479,7 +476,7 @@ void build_reorder(Net* n, Op& op, bool quantize) {
   memory::desc plain = (!quantize && n->out_flat) ? memory::desc({t.dims[0], t.dims[1] * t.dims[2] * t.dims[3]},
                                                                  dt::f32, tag::ab)
                                                   : memory::desc(t.dims, dt::f32, tag::nchw);
-  memory::desc q = nhwc(t);
+  memory::desc q = act(n, t);
   if (!quantize && n->out_flat) q = memory::desc(plain.get_dims(), dt::u8, tag::ab);  // H = W = 1 or C-major
   primitive_attr attr;
   int arg = quantize ? DNNL_ARG_DST : DNNL_ARG_SRC;
@@ -507,9 +504,6 @@ bool bind_wino(Net* n, memory& scratch) {
   n->wino_v = memory({{(memory::dim)v}, n->adt, tag::a}, n->eng);
   n->wino_m = memory({{(memory::dim)m}, dt::f32, tag::a}, n->eng);
   for (auto& op : n->ops) {
-    if (op.winos.empty()) continue;
-    op.src_ptr = n->buffers[n->tensors[op.src].buffer].data();
-    op.dst_ptr = n->buffers[n->tensors[op.dst].buffer].data();
     for (auto& f : op.winos) {
       const int64_t a2 = (f.m + 2) * (f.m + 2);
       auto args = [&](int64_t tiles) {
@@ -530,7 +524,7 @@ bool bind_wino(Net* n, memory& scratch) {
 void run_ops(Net* n, std::vector<double>* times) {
   for (size_t i = 0; i < n->ops.size(); i++) {
     Op& op = n->ops[i];
-    auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = times ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     if (op.copy_other) {
       Tensor &o = n->tensors[op.other], &d = n->tensors[op.dst];
       std::memcpy(n->buffers[d.buffer].data(), n->buffers[o.buffer].data(), bytes(n, d));
@@ -546,11 +540,6 @@ void run_ops(Net* n, std::vector<double>* times) {
   }
 }
 
-// Each eligible convolution runs in the form that timed fastest inside whole runs of the net (the
-// direct kernel, F(4x4, 3x3), F(2x2, 3x3); the least of 5 interleaved calls each after a warm-up,
-// on a zero input: a sum of 3 flipped between the two Winograd forms from build to build). Alone,
-// with its weights and buffers hot in cache, Winograd timed 1.5-2x faster than it runs between the
-// net's other layers; the unchosen forms' weights are then freed.
 // the net's own input and output pointed at zeros (a timing run needs no caller's tensors)
 struct ZeroIO {
   std::vector<float> in, out;
@@ -561,6 +550,11 @@ struct ZeroIO {
   }
 };
 
+// Each eligible convolution runs in the form that timed fastest inside whole runs of the net (the
+// direct kernel, F(4x4, 3x3), F(2x2, 3x3); the least of 5 interleaved calls each after a warm-up,
+// on a zero input: a sum of 3 flipped between the two Winograd forms from build to build). Alone,
+// with its weights and buffers hot in cache, Winograd timed 1.5-2x faster than it runs between the
+// net's other layers; the unchosen forms' weights are then freed.
 void choose_wino(Net* n) {
   if (n->winograd == 4 || n->winograd == 2) {
     for (auto& op : n->ops)
@@ -825,16 +819,15 @@ int kn_times(void* net, int calls, double* out, int cap) {
   });
 }
 
-// each eligible convolution's form, in graph order: its Winograd output tile (4 or 2), or 0 (direct)
-int kn_winograd(void* net, int* out, int cap) {
+// each op's form, in program order (as kn_times): a Winograd convolution's output tile (4 or 2), 0 for
+// an eligible one on the direct kernel, -1 for every other op; returns the op count
+int kn_forms(void* net, int* out, int cap) {
   Net* n = static_cast<Net*>(net);
-  int k = 0;
-  for (auto& op : n->ops)
-    if (!op.winos.empty()) {
-      if (k < cap) out[k] = op.form < 0 ? 0 : op.winos[op.form].m;
-      k++;
-    }
-  return k;
+  for (int i = 0; i < (int)n->ops.size() && i < cap; i++) {
+    const Op& op = n->ops[i];
+    out[i] = op.winos.empty() ? -1 : op.form < 0 ? 0 : op.winos[op.form].m;
+  }
+  return (int)n->ops.size();
 }
 
 int kn_run(void* net, const float* in, float* out) {

@@ -1,7 +1,7 @@
 """Loading and calling ``onednn_net.cpp`` (torchkiln's CNN runner on oneDNN's primitives) through
 ctypes: a conv net as a ``Program`` (steps over value slots), built into one C ``Net`` per input
 shape and called by a ``Runner`` module. Its front ends make the Program: the int8 one from a pt2e
-graph (quantization/onednn_net.py), the float32 one from a traced model (passes/onednn_conv_net.py).
+graph (quantization/onednn_net.py), the float32 / bf16 one from a traced model (passes/onednn_conv_net.py).
 
 It links the oneDNN of pip's ``onednn-cpu-gomp`` wheel (with ``onednn-devel-cpu-gomp`` for the
 headers: ``pip install "torchkiln[onednn]"``), because torch's wheel keeps its own oneDNN private.
@@ -90,7 +90,7 @@ def load() -> ctypes.CDLL | str:
                             ctypes.c_int64, vp, vp, vp, c_float, c_int, c_int]),
         "kn_pool": (c_int, [vp, c_int, c_int, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64]),
         "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, vp]),
-        "kn_winograd": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
+        "kn_forms": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
         "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
         "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]),
     }
@@ -151,10 +151,10 @@ class Linear:
 class Program:
     """A conv net as a list of steps over value slots (0: the input; step i makes slot i + 1); built
     into a C net per input shape by ``Net``. int8: the input is quantized with ``scale``/``zp``, and
-    ``flat`` flattens the (N, C, 1, 1) output (as a float program ending in a ``Linear`` does). float32: ``winograd`` 1 runs each 3x3 stride-1
-    convolution in whichever of oneDNN's direct kernel, Winograd F(4x4, 3x3) and F(2x2, 3x3) timed
-    fastest in the net (onednn_net.cpp says why); 0 the direct kernel only; 4 or 2 that form wherever
-    it applies (tests)."""
+    ``flat`` flattens the (N, C, 1, 1) output (as a float program ending in a ``Linear`` does). Float
+    programs: ``winograd`` 1 runs each 3x3 stride-1 convolution in whichever of oneDNN's direct kernel,
+    Winograd F(4x4, 3x3) and F(2x2, 3x3) timed fastest in the net (onednn_net.cpp says why); 0 the
+    direct kernel only; 4 or 2 that form wherever it applies (tests)."""
 
     scale: float = 1.0
     zp: int = 0
@@ -188,6 +188,8 @@ class Net:
         return rc
 
     def _build(self, prog: Program, shape: tuple) -> tuple:
+        """Adds every step to the C net; returns the output's shape and keeps each slot's (N, C, H, W)
+        in ``self.dims``."""
         lib, h = self.lib, self.handle
         if len(shape) != 4:
             raise Unsupported(f"an input of shape {shape} (N, C, H, W only)")
@@ -224,6 +226,7 @@ class Net:
                                                    oh, ow)))
                 out = (n, c, oh, ow)
             dims.append(out)
+        self.dims = dims
         n, c, hh, ww = dims[prog.out]
         if prog.flat and hh * ww != 1:
             raise Unsupported(f"a flattened output of spatial size {(hh, ww)} (1 x 1 only)")
@@ -239,13 +242,18 @@ class Net:
             raise RuntimeError(f"torchkiln oneDNN {self.dtype} net: {self.lib.kn_error(self.handle).decode()}")
         return out
 
+    def forms(self) -> list[int]:
+        """Each op's form, in program order (the input's reorder, one per step, the output's): a
+        convolution's Winograd output tile (4: F(4x4, 3x3), 2: F(2x2, 3x3)), 0 for one that could take
+        Winograd but runs oneDNN's direct kernel (timed faster), -1 for the others."""
+        n = len(self.steps) + 2
+        out = (ctypes.c_int * n)()
+        self.lib.kn_forms(self.handle, out, n)
+        return list(out)
+
     def winograd(self) -> list[int]:
-        """For each convolution that could take Winograd, in graph order: the output tile of the form
-        it runs (4: F(4x4, 3x3), 2: F(2x2, 3x3)), or 0 where oneDNN's direct kernel timed faster."""
-        n = self.lib.kn_winograd(self.handle, None, 0)
-        out = (ctypes.c_int * max(n, 1))()
-        self.lib.kn_winograd(self.handle, out, n)
-        return list(out[:n])
+        """``forms()`` of the convolutions that could take Winograd, in graph order."""
+        return [f for f in self.forms() if f >= 0]
 
     def times(self, calls: int = 10) -> list[float]:
         """Each op's least seconds over ``calls`` calls on a zero input, in program order: the input's

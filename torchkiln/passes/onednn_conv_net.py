@@ -1,6 +1,7 @@
-"""Serving a float32 CPU conv net's trunk as one oneDNN program (``kernels/onednn_net.cpp``), its 3x3
-stride-1 convolutions as Winograd F(4x4, 3x3) where that times faster: a candidate beside the oneDNN
-Graph trace (onednn_graph.py), timed against it and served only where faster and within the guard.
+"""Serving a float32 or bf16 CPU conv net's trunk as one oneDNN program (``kernels/onednn_net.cpp``),
+its 3x3 stride-1 convolutions as Winograd F(4x4, 3x3) or F(2x2, 3x3) where that times faster: a
+candidate beside the oneDNN Graph trace (onednn_graph.py), timed against it and served only where
+faster and within the guard.
 
 Why: on CPU resnet50 the oneDNN Graph trace and IPEX 2.8 run the same direct convolution kernels at
 the same speed, near this machine's FMA rate (RESULTS.md, "Where resnet50's time goes against IPEX
@@ -15,8 +16,9 @@ padding), an eval ``nn.BatchNorm2d`` right after a convolution (folded into it),
 convolution or its residual add, an add of two region values where one is a convolution's output
 read only there (oneDNN's sum post-op), ``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to a divisor of
 the size, and ``nn.Identity`` / eval ``nn.Dropout``. The region must hand one value to the rest of
-the graph (a classifier head), which runs as the traced graph has it. Anything else refuses the
-model with the reason, and the other candidates serve it.
+the graph: a global pool's flatten into one Linear joins the program (_head); any other head runs as
+the traced graph has it (after a bf16 program, on bf16 copies). Anything else refuses the model with
+the reason, and the other candidates serve it.
 """
 
 from __future__ import annotations
@@ -174,10 +176,11 @@ def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
         gm = fx.symbolic_trace(model)
     except Exception as e:  # control flow on tensors, an untraceable module: another candidate serves it
         raise Unsupported(f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from e
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if not inputs:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
         raise Unsupported("the model takes no input")
-    walk = _Walk(gm, inputs[0], dtype)
+    x = placeholders[0]
+    walk = _Walk(gm, x, dtype)
     with torch.no_grad():  # BatchNorm folding computes new weights from the model's
         for node in gm.graph.nodes:
             if node.op == "placeholder" or not any(a in walk.slot for a in node.all_input_nodes):
@@ -188,13 +191,13 @@ def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
     prog = walk.prog
     if not any(isinstance(s, Conv) for s in prog.steps):
         raise Unsupported("no convolution reads the model's first input")
-    inside = set(walk.region) | {inputs[0]}
+    inside = set(walk.region) | {x}
     out = {a for n in gm.graph.nodes if n not in inside for a in n.all_input_nodes if a in walk.slot}
     if len(out) != 1:
         names = ", ".join(sorted(n.name for n in out))
         raise Unsupported(f"the conv region hands {len(out)} values to the rest of the model ({names}); one only")
     (last,) = out
-    if last is inputs[0]:
+    if last is x:
         raise Unsupported("the model reads its input outside the conv region")
     last = _head(gm, walk, last)
     prog.out, prog.winograd = walk.slot[last], winograd
@@ -265,8 +268,8 @@ def _head_in_bf16(gm: fx.GraphModule) -> fx.GraphModule:
 
 class OneDNNConvNet(PerSignature):
     """Calls a CPU conv net with its trunk as one oneDNN program per input shape, in float32 or
-    bfloat16 (``dtype``; float32 in and out either way, and the head after the trunk runs as the model
-    has it). ``winograd``: None follows WINOGRAD; False direct kernels only; True each 3x3
+    bfloat16 (``dtype``; answered in the inputs' dtype either way; a head the program could not take
+    runs as the model has it, on bf16 copies in bf16). ``winograd``: None follows WINOGRAD; False direct kernels only; True each 3x3
     convolution's fastest form; 4 or 2 that Winograd form wherever it applies (tests). ``notes``: a
     list the first built shape's account is written into (the report's "applied")."""
 
