@@ -257,7 +257,6 @@ class Branchy(nn.Module):
 @pytest.mark.parametrize("model, match", [
     (TwoOut(), "hands 2 values"),
     (ReadTwice(), "relu: a ReLU not right after a convolution"),
-    (Branchy(), "torch.fx cannot trace Branchy"),
     (nn.Sequential(nn.Conv2d(3, 16, 3, padding="same")), "padding='same'"),
     (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")), "padding_mode='reflect'"),
     (nn.Sequential(nn.Linear(4, 4)), "no convolution reads the model's first input"),
@@ -265,6 +264,32 @@ class Branchy(nn.Module):
 def test_what_it_cannot_hold_is_refused_with_the_reason(model, match):
     with pytest.raises(Unsupported, match=match):
         OneDNNConvNet(model.eval())
+
+
+def test_a_branch_on_values_is_refused_at_the_first_call_with_both_front_ends_reasons():
+    served = OneDNNConvNet(Branchy().eval())  # fx fails here; torch.export is tried at the first call
+    with pytest.raises(Unsupported, match=r"torch.fx cannot trace Branchy: .*; torch.export cannot trace Branchy"):
+        served(torch.randn(1, 3, 8, 8))
+
+
+class InPlaceOnEarlier(nn.Module):
+    """``y += z`` where ``y`` (the earlier operand) is read again afterwards: the program would put the
+    sum in ``z``'s convolution and hand ``c`` the unchanged ``y``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(3, 16, 1), nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        y = self.a(x)
+        z = self.b(x)
+        y.add_(z)
+        return self.c(y)
+
+
+def test_an_in_place_add_to_a_value_read_again_is_refused():
+    with pytest.raises(Unsupported, match="an in-place add to a value read again elsewhere"):
+        OneDNNConvNet(InPlaceOnEarlier().eval())
 
 
 def test_a_model_in_training_mode_and_another_dtype_are_refused():
@@ -290,3 +315,70 @@ def test_optimize_times_it_and_serves_only_a_verified_candidate(dtype, tol):
     with torch.no_grad():
         ref, got = model(x), fast(x)
     assert got.dtype == torch.float32 and rel(got, ref) < tol
+
+
+class ShapeChecked(nn.Module):
+    """A Python branch on the input's shape before the trunk, as every transformers vision model has:
+    torch.fx cannot trace it, torch.export turns it into a guard; the output is a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small()
+
+    def forward(self, pixel_values):
+        if pixel_values.shape[1] != 3:
+            raise ValueError("3 channels only")
+        return {"logits": self.net(pixel_values)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_fx_cannot_trace_is_exported_per_input_shape(dtype):
+    model = ShapeChecked().eval()
+    notes: list[str] = []
+    served = OneDNNConvNet(model, dtype=dtype, notes=notes)
+    assert served.rewritten is None  # nothing is built before the first call
+    tol = TOL if dtype == torch.float32 else 0.02
+    with torch.no_grad():
+        for shape in [(2, 3, 30, 30), (1, 3, 16, 16)]:
+            x = torch.randn(shape)
+            got, ref = served(x), model(x)
+            assert set(got) == {"logits"} and got["logits"].dtype == torch.float32
+            assert rel(got["logits"], ref["logits"]) < tol
+    assert len(served.graphs) == 2 and notes[0].startswith(f"onednn_conv_net ({str(dtype)[6:]}, from torch.export: 12 ")
+    # the whole trunk and head are one program; the export's input guard stays
+    code = served.rewritten.code
+    assert "conv_net" in code and "aten" not in code and "_guards_fn" in code
+
+
+def test_the_decomposed_aten_graph_is_taken_whole():
+    """torch.export's core ATen forms: convolution, the legit batch norm's and the indexed max pool's
+    getitem 0, a mean over H and W for the global pool, view for the flatten, addmm for the Linear."""
+    model = small()
+    x = torch.randn(2, 3, 30, 30)
+    gm = torch.export.export(model, (x,)).run_decompositions().module()
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"aten.convolution.default", "aten._native_batch_norm_legit_no_training.default",
+            "aten.max_pool2d_with_indices.default", "aten.mean.dim", "aten.addmm.default"} <= targets
+    gm, walk = onednn_conv_net.rewrite(gm, winograd=4)
+    assert walk.folded == 12 and "aten" not in gm.code
+    with torch.no_grad():
+        assert rel(gm(x), model(x)) < TOL
+
+
+def test_a_transformers_resnet_is_served_whole():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    config = tf.ResNetConfig(embedding_size=16, hidden_sizes=[32, 64], depths=[1, 2], num_labels=7)
+    model = tf.ResNetForImageClassification(config).eval()
+    for m in model.modules():  # trained-looking statistics, so that folding them is checked
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 64, 64)
+    served = OneDNNConvNet(model)
+    with torch.no_grad():
+        got, ref = served(x), model(x)
+    assert type(got) is type(ref) and rel(got.logits, ref.logits) < TOL
+    assert served.front == "torch.export" and served.folded == served.convs
+    assert "conv_net" in served.rewritten.code and "aten" not in served.rewritten.code

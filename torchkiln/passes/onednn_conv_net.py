@@ -10,20 +10,25 @@ multiplies (onednn_net.cpp says where it pays); oneDNN 3.x has no CPU Winograd, 
 hand-writes its transforms and calls oneDNN's matmul for the GEMMs. The program holds the whole
 trunk, so the convolutions, pooling and residual adds run from C without TorchScript's per-op work.
 
-What it takes, from ``torch.fx.symbolic_trace`` of the model as given (read, never changed): the
-region that starts at the model's first input and is made of ``nn.Conv2d`` (zero padding, numeric
-padding), an eval ``nn.BatchNorm2d`` right after a convolution (folded into it), ReLU right after a
-convolution or its residual add, an add of two region values where one is a convolution's output
-read only there (oneDNN's sum post-op), ``nn.MaxPool2d``, ``nn.AdaptiveAvgPool2d`` to a divisor of
-the size, and ``nn.Identity`` / eval ``nn.Dropout``. The region must hand one value to the rest of
-the graph: a global pool's flatten into one Linear joins the program (_head); any other head runs as
-the traced graph has it (after a bf16 program, on bf16 copies). Anything else refuses the model with
-the reason, and the other candidates serve it.
+What it reads (the model itself is never changed): ``torch.fx.symbolic_trace`` of the model, or,
+where that fails (a shape check or any other Python branch on a tensor, as in every transformers
+vision model), ``torch.export`` (non-strict) at each input shape's first call, whose ATen graph turns
+the same branches into guards. From either graph it takes the region that starts at the model's first
+input and is made of 2-D convolutions (zero, numeric padding), an eval BatchNorm right after a
+convolution (folded into it), ReLU right after a convolution or its residual add, an add of two
+region values where one is a convolution's output read only there (oneDNN's sum post-op), max
+pooling, average pooling to a divisor of the size (adaptive, or a mean over H and W), and identities
+(``nn.Identity``, eval dropout and its decomposed clone, the value part of ATen's tuple-returning
+batch norm and pooling). The region must hand one value to the rest of the graph: a global pool's
+flatten into one Linear joins the program (_head); any other head runs as the graph has it (after a
+bf16 program, on bf16 copies). Anything else refuses the model with the reason, and the other
+candidates serve it.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 
 import torch
@@ -38,8 +43,14 @@ from .onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, ten
 # oneDNN's direct kernels, whose sums round as eager's do to within 5e-7 of the output's norm on
 # resnet50 (Winograd: 7e-7; the guard's float32 bound is 1e-4).
 WINOGRAD = True
-_RELU = {torch.relu, torch.relu_, nn.functional.relu}
-_ADD = {operator.add, operator.iadd, torch.add}
+aten = torch.ops.aten
+_RELU = {torch.relu, torch.relu_, nn.functional.relu, aten.relu.default, aten.relu_.default}
+_ADD = {operator.add, operator.iadd, torch.add, aten.add.Tensor, aten.add_.Tensor}
+_CONV = {aten.conv2d.default, aten.convolution.default}
+_BN = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
+_MAX_POOL = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
+# ATen ops returning (value, extras): their getitem 0 is the value, the extras are unused in eval
+_TUPLES = {aten._native_batch_norm_legit_no_training.default, aten.max_pool2d_with_indices.default}
 
 
 def why_not() -> str | None:
@@ -59,26 +70,57 @@ def _is(node: fx.Node, gm: fx.GraphModule, *types) -> nn.Module | None:
     return m if type(m) in types else None
 
 
+def _kw(node: fx.Node, gm: fx.GraphModule) -> dict:
+    """An ATen node's arguments by schema name, defaults filled in."""
+    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+    return {} if bound is None else dict(bound.kwargs)
+
+
+def _tensor(gm: fx.GraphModule, node: fx.Node, value, what: str) -> torch.Tensor | None:
+    """The parameter or buffer an ATen node reads as ``what`` (None stays None)."""
+    if value is None:
+        return None
+    if not isinstance(value, fx.Node) or value.op != "get_attr":
+        raise Unsupported(f"{node.name}: its {what} is computed in the graph (the model's own tensors only)")
+    return functools.reduce(getattr, value.target.split("."), gm)
+
+
+def _global_mean(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """A mean over H and W keeping them (ATen's decomposed adaptive_avg_pool2d(x, 1))."""
+    if node.op != "call_function" or node.target is not aten.mean.dim:
+        return False
+    a = _kw(node, gm)
+    return a["keepdim"] and a["dtype"] is None and sorted(d % 4 for d in a["dim"]) == [2, 3]
+
+
 def _kind(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """What a node is to the program, or None (it is not one of the region's ops)."""
-    if _is(node, gm, nn.Conv2d):
+    fn = node.target if node.op == "call_function" else None
+    if _is(node, gm, nn.Conv2d) or fn in _CONV:
         return "conv"
-    if _is(node, gm, nn.BatchNorm2d):
+    if _is(node, gm, nn.BatchNorm2d) or fn in _BN:
         return "bn"
-    if _is(node, gm, nn.ReLU) or (node.op == "call_function" and node.target in _RELU) or \
-            (node.op == "call_method" and node.target in ("relu", "relu_")):
+    if _is(node, gm, nn.ReLU) or fn in _RELU or (node.op == "call_method" and node.target in ("relu", "relu_")):
         return "relu"
-    if (node.op == "call_function" and node.target in _ADD) or (node.op == "call_method" and node.target in ("add", "add_")):
+    if fn in _ADD or (node.op == "call_method" and node.target in ("add", "add_")):
         return "add"
-    if _is(node, gm, nn.MaxPool2d, nn.AdaptiveAvgPool2d):
+    if _is(node, gm, nn.MaxPool2d, nn.AdaptiveAvgPool2d) or fn in _MAX_POOL or fn is aten.adaptive_avg_pool2d.default \
+            or _global_mean(node, gm):
         return "pool"
-    if _is(node, gm, nn.Identity, nn.Dropout):
+    if _is(node, gm, nn.Identity, nn.Dropout) or fn in (aten.dropout.default, aten.clone.default) or (
+            fn is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].target in _TUPLES
+            and node.args[1] == 0):
         return "alias"
     return None
 
 
+def _values(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` reads, less the parameters an ATen graph reads by get_attr."""
+    return [a for a in node.all_input_nodes if a.op != "get_attr"]
+
+
 class _Walk:
-    """The program made by walking the traced graph once; ``tail[slot]``: the node holding that slot's
+    """The program made by walking the graph once; ``tail[slot]``: the node holding that slot's
     value now (a convolution's slot moves on to its BatchNorm, ReLU and add nodes as they fold in)."""
 
     def __init__(self, gm: fx.GraphModule, x: fx.Node, dtype: str):
@@ -110,24 +152,19 @@ class _Walk:
         """Adds ``node`` to the program, or raises Unsupported naming it."""
         args = [a for a in node.args if isinstance(a, fx.Node)]
         if kind == "conv":
-            m = self.gm.get_submodule(node.target)
-            if m.padding_mode != "zeros" or isinstance(m.padding, str):
-                raise Unsupported(f"{node.name}: Conv2d with padding={m.padding!r}, padding_mode={m.padding_mode!r} "
-                                  "(numeric zero padding only)")
-            if len(node.args) != 1 or node.kwargs:
-                raise Unsupported(f"{node.name}: a Conv2d called with more than its input")
-            bias = None if m.bias is None else m.bias.detach().float()
-            self.add_step(node, Conv(self.slot[args[0]], None, m.weight.detach().float(), None, bias, _pair(m.stride),
-                                     _pair(m.padding), _pair(m.dilation), m.groups, 1.0, 0, False))
+            weight, bias, stride, padding, dilation, groups = self._conv(node)
+            bias = None if bias is None else bias.detach().float()
+            self.add_step(node, Conv(self.slot[args[0]], None, weight.detach().float(), None, bias, stride, padding,
+                                     dilation, groups, 1.0, 0, False))
         elif kind == "bn":
-            m = self.gm.get_submodule(node.target)
+            mean, var, weight, bias, eps, training = self._bn(node)
             step = self.fusable(node, args[0])
-            if step is None or step.relu or step.other is not None or m.training or m.running_var is None:
+            if step is None or step.relu or step.other is not None or training or var is None:
                 raise Unsupported(f"{node.name}: a BatchNorm2d not right after a convolution, or in training mode")
-            k = (m.running_var + m.eps).rsqrt() * (m.weight if m.affine else 1.0)
-            bias = step.bias if step.bias is not None else torch.zeros_like(m.running_mean)
+            k = (var + eps).rsqrt() * (1.0 if weight is None else weight)
+            before = step.bias if step.bias is not None else torch.zeros_like(mean)
             step.weight = (step.weight * k.reshape(-1, 1, 1, 1)).detach().float()
-            step.bias = ((bias - m.running_mean) * k + (m.bias if m.affine else 0.0)).detach().float()
+            step.bias = ((before - mean) * k + (0.0 if bias is None else bias)).detach().float()
             self.folded += 1
             self.fold(node, args[0])
         elif kind == "relu":
@@ -137,8 +174,11 @@ class _Walk:
             step.relu = True
             self.fold(node, args[0])
         elif kind == "add":
-            if len(args) != 2 or len(node.args) != 2 or node.kwargs:
-                raise Unsupported(f"{node.name}: an add of other than two tensors")
+            if len(args) != 2 or len(node.args) != 2 or set(node.kwargs) - {"alpha"} or \
+                    node.kwargs.get("alpha", 1) != 1 or any(a not in self.slot for a in args):
+                raise Unsupported(f"{node.name}: an add of other than two of the region's tensors")
+            if (node.target in (operator.iadd, aten.add_.Tensor, "add_")) and len(args[0].users) != 1:
+                raise Unsupported(f"{node.name}: an in-place add to a value read again elsewhere")
             # the later convolution takes the sum: the other operand must exist when it runs
             a, b = sorted(args, key=lambda v: self.slot[v], reverse=True)
             step = self.fusable(node, a)
@@ -147,35 +187,89 @@ class _Walk:
             step.other = self.slot[b]
             self.fold(node, a)
         elif kind == "pool":
-            self.add_step(node, self._pool(node, self.gm.get_submodule(node.target), self.slot[args[0]]))
-        else:  # alias
-            if self.gm.get_submodule(node.target).training:
+            self.add_step(node, self._pool(node, self.slot[args[0]]))
+        else:  # alias: the value passes through unchanged
+            m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+            if (m is not None and m.training) or (node.target is aten.dropout.default and _kw(node, self.gm)["train"]):
                 raise Unsupported(f"{node.name}: a Dropout in training mode")
-            self.slot[node] = self.slot[args[0]]
+            s = self.slot[args[0]]
+            if self.tail[s] is args[0] and len(args[0].users) == 1:
+                self.fold(node, args[0])  # a ReLU or add after it may still fuse into the convolution
+            else:
+                self.slot[node] = s
         self.region.append(node)
 
-    @staticmethod
-    def _pool(node: fx.Node, m: nn.Module, src: int) -> Pool:
-        if isinstance(m, nn.AdaptiveAvgPool2d):
-            size = _pair(m.output_size)
+    def _conv(self, node: fx.Node) -> tuple:
+        """(weight, bias, stride, padding, dilation, groups) of an nn.Conv2d or ATen convolution."""
+        if node.op == "call_module":
+            m = self.gm.get_submodule(node.target)
+            if m.padding_mode != "zeros" or isinstance(m.padding, str):
+                raise Unsupported(f"{node.name}: Conv2d with padding={m.padding!r}, padding_mode={m.padding_mode!r} "
+                                  "(numeric zero padding only)")
+            if len(node.args) != 1 or node.kwargs:
+                raise Unsupported(f"{node.name}: a Conv2d called with more than its input")
+            return m.weight, m.bias, _pair(m.stride), _pair(m.padding), _pair(m.dilation), m.groups
+        a = _kw(node, self.gm)
+        weight = _tensor(self.gm, node, a["weight"], "weight")
+        if a.get("transposed") or weight.dim() != 4 or isinstance(a["padding"], str):
+            raise Unsupported(f"{node.name}: a convolution other than a 2-D one with numeric padding")
+        return (weight, _tensor(self.gm, node, a["bias"], "bias"), _pair(a["stride"]), _pair(a["padding"]),
+                _pair(a["dilation"]), a["groups"])
+
+    def _bn(self, node: fx.Node) -> tuple:
+        """(running mean, running var, weight, bias, eps, training) of an nn.BatchNorm2d or ATen batch norm."""
+        if node.op == "call_module":
+            m = self.gm.get_submodule(node.target)
+            affine = m.weight if m.affine else None, m.bias if m.affine else None
+            return m.running_mean, m.running_var, *affine, m.eps, m.training
+        a = _kw(node, self.gm)
+        t = {k: _tensor(self.gm, node, a[k], k) for k in ("running_mean", "running_var", "weight", "bias")}
+        return t["running_mean"], t["running_var"], t["weight"], t["bias"], a["eps"], a.get("training", False)
+
+    def _pool(self, node: fx.Node, src: int) -> Pool:
+        m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(m, nn.AdaptiveAvgPool2d) or node.target is aten.adaptive_avg_pool2d.default:
+            size = _pair(m.output_size if m is not None else _kw(node, self.gm)["output_size"])
             if None in size:
-                raise Unsupported(f"{node.name}: AdaptiveAvgPool2d to {m.output_size} (sizes only)")
+                raise Unsupported(f"{node.name}: AdaptiveAvgPool2d to {size} (sizes only)")
             return Pool(src, True, None, None, (0, 0), size=size)
-        if m.return_indices or _pair(m.dilation) != (1, 1):
-            raise Unsupported(f"{node.name}: MaxPool2d with indices or dilation")
-        return Pool(src, False, _pair(m.kernel_size), _pair(m.stride or m.kernel_size), _pair(m.padding),
-                    bool(m.ceil_mode))
+        if m is None and node.target is aten.mean.dim:
+            return Pool(src, True, None, None, (0, 0), size=(1, 1))
+        if m is not None:
+            if m.return_indices:
+                raise Unsupported(f"{node.name}: MaxPool2d returning indices")
+            kernel_size, stride, padding, dilation, ceil = m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode
+        else:
+            a = _kw(node, self.gm)
+            kernel_size, stride, padding, dilation, ceil = (a["kernel_size"], a["stride"], a["padding"], a["dilation"],
+                                                            a["ceil_mode"])
+        if _pair(dilation) != (1, 1):
+            raise Unsupported(f"{node.name}: max pooling with dilation")
+        return Pool(src, False, _pair(kernel_size), _pair(stride or kernel_size), _pair(padding), bool(ceil))
 
 
-def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
-            ) -> tuple[Program, fx.GraphModule, fx.Node, _Walk]:
-    """``model``'s conv region: (its program, the traced graph, the node whose value the program
-    returns, the walk that made it: its region's nodes, BatchNorms folded). Raises Unsupported,
-    naming the node, where it cannot be held."""
+def trace(model: nn.Module) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace(model)``; Unsupported where it cannot."""
     try:
-        gm = fx.symbolic_trace(model)
-    except Exception as e:  # control flow on tensors, an untraceable module: another candidate serves it
+        return fx.symbolic_trace(model)
+    except Exception as e:  # control flow on tensors, an untraceable module: torch.export may still
         raise Unsupported(f"torch.fx cannot trace {type(model).__name__}: {type(e).__name__}: {e}") from e
+
+
+def exported(model: nn.Module, args, kwargs) -> fx.GraphModule:
+    """``model``'s ATen graph at these inputs, by non-strict ``torch.export`` (called like the model);
+    Unsupported where it cannot be had."""
+    try:
+        return torch.export.export(model, tuple(args), dict(kwargs), strict=False).module()
+    except Exception as e:  # a data-dependent branch, an op export cannot trace: another candidate serves it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise Unsupported(f"torch.export cannot trace {type(model).__name__}: {type(e).__name__}: {first[:300]}") from e
+
+
+def program(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tuple[Program, fx.Node, _Walk]:
+    """The conv region of ``gm`` (an fx trace or an exported module; read, not changed): (its program,
+    the node whose value the program returns, the walk that made it: its region's nodes, BatchNorms
+    folded). Raises Unsupported, naming the node, where it cannot be held."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise Unsupported("the model takes no input")
@@ -183,15 +277,17 @@ def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
     walk = _Walk(gm, x, dtype)
     with torch.no_grad():  # BatchNorm folding computes new weights from the model's
         for node in gm.graph.nodes:
-            if node.op == "placeholder" or not any(a in walk.slot for a in node.all_input_nodes):
+            values = _values(node)
+            if node.op == "placeholder" or not any(a in walk.slot for a in values):
                 continue
             kind = _kind(node, gm)
-            if kind is not None and all(a in walk.slot for a in node.all_input_nodes):
+            if kind is not None and all(a in walk.slot for a in values):
                 walk.take(node, kind)
     prog = walk.prog
     if not any(isinstance(s, Conv) for s in prog.steps):
         raise Unsupported("no convolution reads the model's first input")
-    inside = set(walk.region) | {x}
+    # torch.export's input guard (``_guards_fn``) reads the input and stays: it checks its shape
+    inside = set(walk.region) | {x} | {n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"}
     out = {a for n in gm.graph.nodes if n not in inside for a in n.all_input_nodes if a in walk.slot}
     if len(out) != 1:
         names = ", ".join(sorted(n.name for n in out))
@@ -201,16 +297,42 @@ def program(model: nn.Module, winograd: int = 1, dtype: str = "float32",
         raise Unsupported("the model reads its input outside the conv region")
     last = _head(gm, walk, last)
     prog.out, prog.winograd = walk.slot[last], winograd
-    return prog, gm, last, walk
+    return prog, last, walk
 
 
 def _flattens(node: fx.Node, gm: fx.GraphModule, value: fx.Node) -> bool:
+    """``node`` flattens ``value``, a (N, C, 1, 1) global pool, to (N, C)."""
     if node.op == "call_module":
         m = gm.get_submodule(node.target)
         return type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1)
     if node.op in ("call_function", "call_method") and node.target in (torch.flatten, "flatten"):
         return not node.kwargs and tuple(node.args) in ((value, 1), (value, 1, -1))
+    if node.target is aten.flatten.using_ints:
+        a = _kw(node, gm)
+        return (a["start_dim"], a["end_dim"]) == (1, -1)
+    if node.target in (aten.view.default, aten.reshape.default):  # ATen's decomposed flatten, by shape
+        src, out = value.meta.get("val"), node.meta.get("val")
+        return src is not None and out is not None and out.dim() == 2 and tuple(out.shape) == tuple(src.shape[:2])
     return False
+
+
+def _linear(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
+    """(weight, bias, the nodes besides ``node`` it takes) of a Linear on the flattened value: an
+    nn.Linear, ATen's linear, or its decomposed addmm(bias, x, permute(weight))."""
+    m = _is(node, gm, nn.Linear)
+    if m is not None:
+        return (m.weight, m.bias, []) if len(node.args) == 1 and not node.kwargs else None
+    if node.target is aten.linear.default:
+        a = _kw(node, gm)
+        return _tensor(gm, node, a["weight"], "weight"), _tensor(gm, node, a["bias"], "bias"), []
+    if node.target is aten.addmm.default:
+        a = _kw(node, gm)
+        t = a["mat2"]
+        if a["beta"] != 1 or a["alpha"] != 1 or not isinstance(t, fx.Node) or len(t.users) != 1 or not (
+                t.target is aten.t.default or (t.target is aten.permute.default and list(t.args[1]) == [1, 0])):
+            return None
+        return _tensor(gm, node, t.args[0], "weight"), _tensor(gm, node, a["input"], "bias"), [t]
+    return None
 
 
 def _head(gm: fx.GraphModule, walk: _Walk, last: fx.Node) -> fx.Node:
@@ -226,26 +348,29 @@ def _head(gm: fx.GraphModule, walk: _Walk, last: fx.Node) -> fx.Node:
     if not _flattens(flat, gm, last) or len(flat.users) != 1:
         return last
     (lin,) = flat.users
-    m = _is(lin, gm, nn.Linear)
-    if m is None or len(lin.args) != 1 or lin.kwargs:
+    got = _linear(lin, gm)
+    if got is None or [a for a in _values(lin) if a not in got[2]] != [flat]:
         return last
-    bias = None if m.bias is None else m.bias.detach().float()
-    walk.add_step(lin, Linear(s, m.weight.detach().float(), bias))
+    weight, bias, more = got
+    walk.add_step(lin, Linear(s, weight.detach().float(), None if bias is None else bias.detach().float()))
     walk.prog.flat = True
-    walk.region += [flat, lin]
+    walk.region += [flat, *more, lin]
     return lin
 
 
-def rewrite(model: nn.Module, winograd: int = 1, dtype: str = "float32") -> tuple[fx.GraphModule, _Walk]:
-    """``model`` traced, its conv region replaced by one Runner call (the model itself is not
-    changed); and the walk that found the region."""
-    prog, gm, last, walk = program(model, winograd, dtype)
+def rewrite(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tuple[fx.GraphModule, _Walk]:
+    """``gm`` (the model's own trace or export, changed in place) with its conv region replaced by one
+    Runner call; and the walk that found the region."""
+    prog, last, walk = program(gm, winograd, dtype)
     gm.add_submodule("conv_net", Runner(prog))
     with gm.graph.inserting_after(last):
         call = gm.graph.call_module("conv_net", (next(n for n in gm.graph.nodes if n.op == "placeholder"),))
     last.replace_all_uses_with(call)
     for node in reversed(walk.region):
         gm.graph.erase_node(node)
+    for node in list(gm.graph.nodes):  # the parameters only the region read (an exported graph's)
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return gm, walk
@@ -269,9 +394,11 @@ def _head_in_bf16(gm: fx.GraphModule) -> fx.GraphModule:
 class OneDNNConvNet(PerSignature):
     """Calls a CPU conv net with its trunk as one oneDNN program per input shape, in float32 or
     bfloat16 (``dtype``; answered in the inputs' dtype either way; a head the program could not take
-    runs as the model has it, on bf16 copies in bf16). ``winograd``: None follows WINOGRAD; False direct kernels only; True each 3x3
-    convolution's fastest form; 4 or 2 that Winograd form wherever it applies (tests). ``notes``: a
-    list the first built shape's account is written into (the report's "applied")."""
+    runs as the model has it, on bf16 copies in bf16). ``winograd``: None follows WINOGRAD; False
+    direct kernels only; True each 3x3 convolution's fastest form; 4 or 2 that Winograd form wherever
+    it applies (tests). ``notes``: a list the first built shape's account is written into (the report's
+    "applied"). A model torch.fx traces is rewritten once, here; any other is exported per input shape
+    at its first call."""
 
     def __init__(self, model: nn.Module, winograd: bool | int | None = None, notes: list | None = None,
                  dtype: torch.dtype = torch.float32, max_signatures: int = MAX_SIGNATURES):
@@ -283,13 +410,27 @@ class OneDNNConvNet(PerSignature):
         if dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"dtype={dtype} (torch.float32 or torch.bfloat16)")
         super().__init__(model, max_signatures)
-        wino = int(WINOGRAD if winograd is None else winograd)
-        self.rewritten, walk = rewrite(model, wino, str(dtype).removeprefix("torch."))
-        self.dtype = dtype
-        if dtype == torch.bfloat16:
-            self.rewritten = _head_in_bf16(self.rewritten)
-        self.convs = sum(isinstance(s, Conv) for s in self.rewritten.conv_net.prog.steps)
-        self.folded, self.notes = walk.folded, notes
+        self.wino, self.dtype, self.notes = int(WINOGRAD if winograd is None else winograd), dtype, notes
+        self.graphs: list[fx.GraphModule] = []  # each rewritten graph; the fx trace's serves every shape
+        self.rewritten: fx.GraphModule | None = None  # the first of them
+        try:
+            gm = trace(model)
+        except Unsupported as e:
+            self.why_fx = str(e)
+        else:
+            self.why_fx = None
+            self.traced = self._rewrite(gm)
+
+    def _rewrite(self, gm: fx.GraphModule) -> fx.GraphModule:
+        gm, walk = rewrite(gm, self.wino, str(self.dtype).removeprefix("torch."))
+        if self.dtype == torch.bfloat16:
+            gm = _head_in_bf16(gm)
+        if self.rewritten is None:
+            self.rewritten, self.folded = gm, walk.folded
+            self.convs = sum(isinstance(s, Conv) for s in gm.conv_net.prog.steps)
+            self.front = "fx" if self.why_fx is None else "torch.export"
+        self.graphs.append(gm)
+        return gm
 
     def __call__(self, *args, **kwargs):
         out = super().__call__(*args, **kwargs)
@@ -300,7 +441,14 @@ class OneDNNConvNet(PerSignature):
         return inputs.tree_map(lambda t: t.to(want) if t.is_floating_point() else t, out)
 
     def _trace(self, args, kwargs):
-        fn = _Bound(self.rewritten, args, kwargs)
+        if self.why_fx is None:
+            gm = self.traced
+        else:
+            try:
+                gm = self._rewrite(exported(self.model, args, kwargs))
+            except Unsupported as e:
+                raise Unsupported(f"{self.why_fx}; {e}") from e
+        fn = _Bound(gm, args, kwargs)
         with torch.no_grad():
             fn(*tensor_leaves(args, kwargs))  # builds this shape's program
         if self.notes is not None and not self.notes:
@@ -309,13 +457,13 @@ class OneDNNConvNet(PerSignature):
 
     def describe(self) -> str:
         wino, dtype = self.winograd(), self.rewritten.conv_net.prog.dtype
-        return (f"onednn_conv_net ({dtype}: {self.convs} convolutions, {self.folded} BatchNorms folded; of {len(wino)} 3x3 "
-                f"stride-1, timed fastest: {wino.count(4)} Winograd F(4x4, 3x3), {wino.count(2)} F(2x2, 3x3), "
-                f"{wino.count(0)} direct)")
+        return (f"onednn_conv_net ({dtype}, from {self.front}: {self.convs} convolutions, {self.folded} BatchNorms "
+                f"folded; of {len(wino)} 3x3 stride-1, timed fastest: {wino.count(4)} Winograd F(4x4, 3x3), "
+                f"{wino.count(2)} F(2x2, 3x3), {wino.count(0)} direct)")
 
     def winograd(self) -> list[int]:
         """Each built shape's form per eligible convolution (onednn_net.Net.winograd: 4, 2 or 0)."""
-        return [c for net in self.rewritten.conv_net.nets.values() for c in net.winograd()]
+        return [c for gm in self.graphs for net in gm.conv_net.nets.values() for c in net.winograd()]
 
 
-__all__ = ["OneDNNConvNet", "Unsupported", "program", "rewrite", "why_not"]
+__all__ = ["OneDNNConvNet", "Unsupported", "exported", "program", "rewrite", "trace", "why_not"]
