@@ -235,6 +235,25 @@ class TwoOut(nn.Module):
         return self.a(x), self.b(x)
 
 
+class PadLeaves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3)
+
+    def forward(self, x):
+        p = F.pad(x, (1, 1, 1, 1))
+        return self.conv(p), p
+
+
+class PadThenPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(3, 16, 3), nn.MaxPool2d(2)
+
+    def forward(self, x):
+        return self.pool(nn.functional.pad(self.conv(x), (0, 1, 0, 1)))
+
+
 class ReadTwice(nn.Module):
     def __init__(self):
         super().__init__()
@@ -255,7 +274,8 @@ class Branchy(nn.Module):
 
 
 @pytest.mark.parametrize("model, match", [
-    (TwoOut(), "hands 2 values"),
+    (PadLeaves(), "a zero-padded value leaves the conv region"),
+    (PadThenPool(), "pool: reads a zero-padded value"),
     (ReadTwice(), "relu: a ReLU not right after a convolution"),
     (nn.Sequential(nn.Conv2d(3, 16, 3, padding="same")), "padding='same'"),
     (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")), "padding_mode='reflect'"),
@@ -382,3 +402,93 @@ def test_a_transformers_resnet_is_served_whole():
     assert type(got) is type(ref) and rel(got.logits, ref.logits) < TOL
     assert served.front == "torch.export" and served.folded == served.convs
     assert "conv_net" in served.rewritten.code and "aten" not in served.rewritten.code
+
+
+class Clipped(nn.Module):
+    """Clamps as post-ops: ReLU6 after a 3x3 (Winograd-eligible) convolution, Hardtanh(-1, 2) after a
+    residual add (the sum comes first), F.relu6 after a 1x1, and an explicit zero pad (TF "same",
+    asymmetric before a stride-2 convolution, symmetric before a 3x3 one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.act = nn.Conv2d(3, 32, 3, padding=1), nn.ReLU6()
+        self.b, self.bn, self.ht = nn.Conv2d(32, 32, 3, padding=1), bn(32), nn.Hardtanh(-1.0, 2.0)
+        self.c = nn.Conv2d(32, 16, 1)
+        self.down = nn.Conv2d(16, 32, 3, stride=2)
+        self.d = nn.Conv2d(32, 32, 3)
+
+    def forward(self, x):
+        y = self.act(self.a(x))
+        y = self.ht(self.bn(self.b(y)) + y)
+        y = F.relu6(self.c(y))
+        y = self.down(F.pad(y, (0, 1, 0, 1)))
+        return self.d(F.pad(y, (1, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("winograd, forms", [(False, []), (4, [4, 4]), (2, [2, 2])])
+def test_clamps_and_explicit_zero_pads_fold_into_the_convolutions(winograd, forms):
+    torch.manual_seed(6)
+    model = Clipped().eval()
+    with torch.no_grad():  # enough signal past 6, 2 and -1 that every clamp bites
+        model.a.weight.mul_(8)
+    x = torch.randn(2, 3, 17, 17)
+    with torch.no_grad():
+        inner = model.act(model.a(x))
+    assert float((inner == 6).float().mean()) > 0.05
+    served = assert_matches_eager(model, x, winograd=winograd)
+    assert served.winograd() == forms  # b and the padded d (a reads 3 channels: direct only)
+    code = served.rewritten.code
+    assert "pad" not in code and "relu6" not in code and "act" not in code
+
+
+class ManyOut(nn.Module):
+    """Several values leave the trunk (as a transformers base model's last_hidden_state and
+    pooler_output), one of them read by an op outside before the trunk's last convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 32, 3, padding=1, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        scale = y.mean()  # outside the region, made before b runs in the graph
+        z = self.b(y)
+        return z * scale, self.pool(z).flatten(1), y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_outputs_leave_one_program(dtype):
+    torch.manual_seed(7)
+    model = ManyOut().eval()
+    x = torch.randn(2, 3, 12, 12)
+    served = OneDNNConvNet(model, dtype=dtype)
+    with torch.no_grad():
+        got, ref = served(x), model(x)
+    tol = TOL if dtype == torch.float32 else 0.02
+    assert len(got) == 3 and all(g.dtype == torch.float32 and rel(g, r) < tol for g, r in zip(got, ref, strict=True))
+    code = served.rewritten.code
+    assert code.count("conv_net[") == 3 and "self.a(" not in code and "self.b(" not in code
+
+
+def test_a_transformers_mobilenet_base_model_is_served_whole():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(8)
+    config = tf.MobileNetV2Config(depth_multiplier=0.35, image_size=64)  # TF padding, ReLU6, depthwise
+    model = tf.MobileNetV2Model(config).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 64, 64)
+    served = OneDNNConvNet(model)
+    with torch.no_grad():
+        got, ref = served(x), model(x)
+    assert type(got) is type(ref)
+    for name in ("last_hidden_state", "pooler_output"):
+        assert rel(getattr(got, name), getattr(ref, name)) < TOL, name
+    assert served.folded == served.convs and "conv_net" in served.rewritten.code
+    code = served.rewritten.code  # the pads, clamps and the pool all joined it; the pooler's flatten did not
+    assert not [op for op in ("conv2d", "aten.pad", "hardtanh", "batch_norm", "adaptive_avg_pool2d") if op in code]

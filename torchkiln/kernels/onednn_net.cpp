@@ -1,5 +1,5 @@
-// torchkiln's CNN runner: a whole conv net (convolutions with their fused ReLU and residual add,
-// pooling, the input's reorder or quantize and the output's) executed as a list of oneDNN primitives
+// torchkiln's CNN runner: a whole conv net (convolutions with their fused residual add and ReLU or
+// clamp (ReLU6), pooling, the input's reorder or quantize and each output's) executed as a list of oneDNN primitives
 // built once per input shape, from one C call per forward. Its forms: int8 (u8 NHWC activations, the
 // pt2e graph's scales), float32 (NHWC; 3x3 stride-1 convolutions may run as Winograd, below) and
 // bfloat16 (NHWC bf16 activations and weights, float32 bias and accumulation; Winograd as float32).
@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -62,7 +63,10 @@ struct Op {
   std::vector<float> wscale, bias, sscale, dscale;
   memory::dims wdims, strides, pad_l, pad_r, dil;
   int groups = 1;
-  bool relu = false, has_bias = false;
+  bool has_bias = false, flat = false;  // flat: an output's (N, C*H*W) in NCHW order
+  // the activation after the convolution (and its sum): 0 none, 1 ReLU, 2 clamp to [lo, hi] (ReLU6)
+  int act = 0;
+  float lo = 0.f, hi = 0.f;
   // pool
   algorithm alg = algorithm::pooling_max;
   memory::dims kernel;
@@ -96,8 +100,8 @@ struct Net {
   std::vector<uint8_t> scratch;
   memory wino_v, wino_m;  // the Winograd convolutions' transformed input and GEMM output, shared
   memory::dims in_dims;
-  memory in_mem, out_mem;
-  bool out_flat = false;
+  memory in_mem;
+  std::vector<memory> outs;  // one per OUTPUT op, in the order they were added
   std::string error;
 };
 
@@ -217,11 +221,11 @@ inline __attribute__((always_inline)) void input_tile(const T_* img, int64_t C, 
 }
 
 // One tile and 16 channels: r ((A*A, T, K), float32) -> y (NHWC image), plus bias, plus what y
-// holds (sum), ReLU
+// holds (sum), clamped to [lo, hi] (ReLU: [0, inf], none: [-inf, inf])
 template <class F, class T_>
 inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K, int64_t H, int64_t W, int64_t y0,
                                                        int64_t x0, int64_t T, int64_t t, const float* bias, bool sum,
-                                                       bool relu, T_* img) {
+                                                       float lo, float hi, T_* img) {
   constexpr int A = F::A, M = F::M;
   float q[A][A][16], a[M][A][16];
   for (int i = 0; i < A; i++)
@@ -243,7 +247,7 @@ inline __attribute__((always_inline)) void output_tile(const float* r, int64_t K
         float acc = bias ? bias[c] : 0.f;
         for (int k = 0; k < A; k++) acc += a[i][k][c] * F::AT[j][k];
         if (sum) acc += ld(o[c]);
-        st(o[c], relu && acc < 0 ? 0.f : acc);
+        st(o[c], std::min(std::max(acc, lo), hi));
       }
     }
 }
@@ -273,7 +277,7 @@ void wino_input(int mt, bool bf16, const void* x, int64_t C, int64_t H, int64_t 
 // r: (A*A, tn, K) float32, tiles t0 .. t0 + tn -> y: NHWC, float32 or bf16
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void wino_output(int mt, bool bf16, const float* r, int64_t K, int64_t H, int64_t W, int64_t th, int64_t tw, int64_t t0,
-                 int64_t tn, const float* bias, bool sum, bool relu, void* y) {
+                 int64_t tn, const float* bias, bool sum, float lo, float hi, void* y) {
   const int64_t KB = K / 16;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t t = t0; t < t0 + tn; t++)
@@ -282,13 +286,13 @@ void wino_output(int mt, bool bf16, const float* r, int64_t K, int64_t H, int64_
       const int64_t at = b * H * W * K + kb * 16;
       const float* bk = bias ? bias + kb * 16 : nullptr;
       if (bf16 && mt == 4)
-        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (uint16_t*)y + at);
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, lo, hi, (uint16_t*)y + at);
       else if (bf16)
-        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (uint16_t*)y + at);
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, lo, hi, (uint16_t*)y + at);
       else if (mt == 4)
-        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (float*)y + at);
+        output_tile<F43>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, lo, hi, (float*)y + at);
       else
-        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, relu, (float*)y + at);
+        output_tile<F23>(r + kb * 16, K, H, W, y0, x0, tn, t - t0, bk, sum, lo, hi, (float*)y + at);
     }
 }
 
@@ -351,6 +355,8 @@ void run_wino(Net* n, Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   Op::Wino& f = op.winos[op.form];
   const bool bf16 = n->adt == dt::bf16;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float lo = op.act == 0 ? -inf : op.act == 1 ? 0.f : op.lo, hi = op.act == 2 ? op.hi : inf;
   for (int64_t t0 = 0; t0 < f.tiles; t0 += f.chunk) {
     const int64_t tn = std::min(f.chunk, f.tiles - t0);
     wino_input(f.m, bf16, data(n, op.src), s.dims[1], s.dims[2], s.dims[3], f.tiles_h, f.tiles_w, t0, tn,
@@ -360,7 +366,7 @@ void run_wino(Net* n, Op& op) {
     else
       f.tail.execute(n->strm, f.tail_args);
     wino_output(f.m, bf16, static_cast<const float*>(n->wino_m.get_data_handle()), d.dims[1], d.dims[2], d.dims[3],
-                f.tiles_h, f.tiles_w, t0, tn, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, op.relu,
+                f.tiles_h, f.tiles_w, t0, tn, op.has_bias ? op.bias.data() : nullptr, op.other >= 0, lo, hi,
                 data(n, op.dst));
   }
 }
@@ -389,7 +395,8 @@ void build_conv(Net* n, Op& op) {
   } else if (op.other >= 0) {
     po.append_sum(1.f);
   }
-  if (op.relu) po.append_eltwise(algorithm::eltwise_relu, 0.f, 0.f);
+  if (op.act == 1) po.append_eltwise(algorithm::eltwise_relu, 0.f, 0.f);
+  if (op.act == 2) po.append_eltwise(algorithm::eltwise_clip, op.lo, op.hi);
   attr.set_post_ops(po);
   const dt wt = floating(n) ? n->adt : dt::s8;  // a bf16 net's weights: converted by their reorder
   auto wany = memory::desc(wd, wt, tag::any);
@@ -473,11 +480,11 @@ void build_reorder(Net* n, Op& op, bool quantize) {
                                : reorder::primitive_desc(n->eng, act(n, t), n->eng, plain));
     return;
   }
-  memory::desc plain = (!quantize && n->out_flat) ? memory::desc({t.dims[0], t.dims[1] * t.dims[2] * t.dims[3]},
+  memory::desc plain = (!quantize && op.flat) ? memory::desc({t.dims[0], t.dims[1] * t.dims[2] * t.dims[3]},
                                                                  dt::f32, tag::ab)
                                                   : memory::desc(t.dims, dt::f32, tag::nchw);
   memory::desc q = act(n, t);
-  if (!quantize && n->out_flat) q = memory::desc(plain.get_dims(), dt::u8, tag::ab);  // H = W = 1 or C-major
+  if (!quantize && op.flat) q = memory::desc(plain.get_dims(), dt::u8, tag::ab);  // H = W = 1 or C-major
   primitive_attr attr;
   int arg = quantize ? DNNL_ARG_DST : DNNL_ARG_SRC;
   attr.set_scales_mask(arg, 0);
@@ -540,13 +547,16 @@ void run_ops(Net* n, std::vector<double>* times) {
   }
 }
 
-// the net's own input and output pointed at zeros (a timing run needs no caller's tensors)
+// the net's own input and outputs pointed at zeros (a timing run needs no caller's tensors)
 struct ZeroIO {
-  std::vector<float> in, out;
-  explicit ZeroIO(Net* n)
-      : in((size_t)numel(n->in_dims)), out(n->out_mem.get_desc().get_size() / sizeof(float)) {
+  std::vector<float> in;
+  std::vector<std::vector<float>> outs;
+  explicit ZeroIO(Net* n) : in((size_t)numel(n->in_dims)) {
     n->in_mem.set_data_handle(in.data());
-    n->out_mem.set_data_handle(out.data());
+    for (auto& o : n->outs) {
+      outs.emplace_back(o.get_desc().get_size() / sizeof(float));
+      o.set_data_handle(outs.back().data());
+    }
   }
 };
 
@@ -623,7 +633,7 @@ int kn_input(void* net, int64_t nb, int64_t c, int64_t h, int64_t w, float scale
 // per-channel wscale, or float32 in a float net (wscale, scale and zp unused); pads: t, l, b, r
 int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw, const int64_t* stride,
             const int64_t* pads, const int64_t* dilation, int64_t groups, const void* weight,
-            const float* wscale, const float* bias, float scale, int zp, int relu) {
+            const float* wscale, const float* bias, float scale, int zp, int act, float lo, float hi) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     const Tensor s = n->tensors.at(src);
@@ -632,7 +642,9 @@ int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw
     op.src = src;
     op.other = other;
     op.groups = (int)groups;
-    op.relu = relu != 0;
+    op.act = act;
+    op.lo = lo;
+    op.hi = hi;
     int64_t in_per_group = s.dims[1] / groups;
     op.wdims = {out_c, in_per_group, kh, kw};
     if (floating(n)) {
@@ -699,7 +711,8 @@ int kn_linear(void* net, int src, int64_t out_f, const float* weight, const floa
   });
 }
 
-// flat: the output is (N, C*H*W) in NCHW order (a flatten); allowed where H = W = 1
+// one more of the net's outputs (kn_run's outs, in this order); flat: the output is (N, C*H*W) in
+// NCHW order (a flatten), allowed where H = W = 1
 int kn_output(void* net, int src, int flat) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
@@ -708,7 +721,7 @@ int kn_output(void* net, int src, int flat) {
     Op op;
     op.kind = Op::OUTPUT;
     op.src = src;
-    n->out_flat = flat != 0;
+    op.flat = flat != 0;
     n->ops.push_back(std::move(op));
     return 0;
   });
@@ -776,16 +789,16 @@ int kn_finalize(void* net) {
       } else if (op.kind == Op::OUTPUT && floating(n)) {
         Tensor& x = n->tensors[op.src];
         op.args[DNNL_ARG_FROM] = mem(op.src);
-        n->out_mem = memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr);
-        op.args[DNNL_ARG_TO] = n->out_mem;
+        n->outs.push_back(memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr));
+        op.args[DNNL_ARG_TO] = n->outs.back();
       } else if (op.kind == Op::OUTPUT) {
         Tensor& x = n->tensors[op.src];
         memory::dims flat{x.dims[0], numel(x.dims) / x.dims[0]};
-        op.args[DNNL_ARG_FROM] = n->out_flat ? memory({flat, dt::u8, tag::ab}, n->eng, n->buffers[x.buffer].data())
-                                             : mem(op.src);
-        n->out_mem = n->out_flat ? memory({flat, dt::f32, tag::ab}, n->eng, nullptr)
-                                 : memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr);
-        op.args[DNNL_ARG_TO] = n->out_mem;
+        op.args[DNNL_ARG_FROM] = op.flat ? memory({flat, dt::u8, tag::ab}, n->eng, n->buffers[x.buffer].data())
+                                         : mem(op.src);
+        n->outs.push_back(op.flat ? memory({flat, dt::f32, tag::ab}, n->eng, nullptr)
+                                  : memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr));
+        op.args[DNNL_ARG_TO] = n->outs.back();
       } else if (op.kind == Op::LINEAR) {  // (N, C, 1, 1) NHWC is (N, C)
         auto flat = [&](int t) {
           Tensor& x = n->tensors[t];
@@ -830,11 +843,12 @@ int kn_forms(void* net, int* out, int cap) {
   return (int)n->ops.size();
 }
 
-int kn_run(void* net, const float* in, float* out) {
+// outs: one float32 pointer per kn_output, in that order
+int kn_run(void* net, const float* in, float* const* outs) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     n->in_mem.set_data_handle(const_cast<float*>(in));
-    n->out_mem.set_data_handle(out);
+    for (size_t i = 0; i < n->outs.size(); i++) n->outs[i].set_data_handle(outs[i]);
     run_ops(n, nullptr);
     return 0;
   });

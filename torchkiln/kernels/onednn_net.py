@@ -87,9 +87,9 @@ def load() -> ctypes.CDLL | str:
         "kn_new": (vp, [c_int, c_int]), "kn_free": (None, [vp]), "kn_error": (ctypes.c_char_p, [vp]),
         "kn_input": (c_int, [vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c_float, c_int]),
         "kn_conv": (c_int, [vp, c_int, c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I64P, _I64P, _I64P,
-                            ctypes.c_int64, vp, vp, vp, c_float, c_int, c_int]),
+                            ctypes.c_int64, vp, vp, vp, c_float, c_int, c_int, c_float, c_float]),
         "kn_pool": (c_int, [vp, c_int, c_int, _I64P, _I64P, _I64P, ctypes.c_int64, ctypes.c_int64]),
-        "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, vp]),
+        "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, ctypes.POINTER(vp)]),
         "kn_forms": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
         "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
         "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]),
@@ -119,12 +119,13 @@ class Conv:
     wscale: torch.Tensor | None  # int8: float32, one per output channel
     bias: torch.Tensor | None
     stride: tuple
-    padding: tuple
+    padding: tuple  # (h, w) on both sides, or (top, left, bottom, right)
     dilation: tuple
     groups: int
     scale: float  # int8: the output's quantization
     zp: int
     relu: bool
+    clip: tuple | None = None  # (lo, hi): clamped after the sum instead (ReLU6 is (0, 6))
 
 
 @dataclass
@@ -151,7 +152,8 @@ class Linear:
 class Program:
     """A conv net as a list of steps over value slots (0: the input; step i makes slot i + 1); built
     into a C net per input shape by ``Net``. int8: the input is quantized with ``scale``/``zp``, and
-    ``flat`` flattens the (N, C, 1, 1) output (as a float program ending in a ``Linear`` does). Float
+    ``flat`` flattens the (N, C, 1, 1) output (as a float program ending in a ``Linear`` does). ``out``
+    is one slot, or a tuple of them for a program with several outputs (a tuple of tensors). Float
     programs: ``winograd`` 1 runs each 3x3 stride-1 convolution in whichever of oneDNN's direct kernel,
     Winograd F(4x4, 3x3) and F(2x2, 3x3) timed fastest in the net (onednn_net.cpp says why); 0 the
     direct kernel only; 4 or 2 that form wherever it applies (tests)."""
@@ -159,7 +161,7 @@ class Program:
     scale: float = 1.0
     zp: int = 0
     steps: list = field(default_factory=list)
-    out: int = 0
+    out: int | tuple = 0
     flat: bool = False
     dtype: str = "int8"  # int8 | float32 | bfloat16 (float32 in and out, bf16 between the layers)
     winograd: int = 1
@@ -175,7 +177,7 @@ class Net:
         self.lock = threading.Lock()  # a net's buffers serve one call at a time
         try:
             self.steps = prog.steps
-            self.out_shape = self._build(prog, shape)
+            self.out_shapes = self._build(prog, shape)
             self._check(lib.kn_finalize(self.handle))
         except Exception:
             lib.kn_free(self.handle)
@@ -198,15 +200,16 @@ class Net:
             n, c, hh, ww = dims[s.src]
             if isinstance(s, Conv):
                 kh, kw = s.weight.shape[2:]
-                (ph, pw), (sh, sw), (dh, dw) = s.padding, s.stride, s.dilation
-                out = (n, s.weight.shape[0], (hh + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
-                       (ww + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+                pt, pl, pb, pr = s.padding if len(s.padding) == 4 else (*s.padding, *s.padding)
+                (sh, sw), (dh, dw) = s.stride, s.dilation
+                out = (n, s.weight.shape[0], (hh + pt + pb - dh * (kh - 1) - 1) // sh + 1,
+                       (ww + pl + pr - dw * (kw - 1) - 1) // sw + 1)
                 other = -1 if s.other is None else ids[s.other]
                 bias = None if s.bias is None else s.bias.data_ptr()
                 ids.append(self._check(lib.kn_conv(h, ids[s.src], other, s.weight.shape[0], kh, kw, ints(sh, sw),
-                                                   ints(ph, pw, ph, pw), ints(dh, dw), s.groups, s.weight.data_ptr(),
+                                                   ints(pt, pl, pb, pr), ints(dh, dw), s.groups, s.weight.data_ptr(),
                                                    None if s.wscale is None else s.wscale.data_ptr(), bias, s.scale,
-                                                   s.zp, int(s.relu))))
+                                                   s.zp, 2 if s.clip else int(s.relu), *(s.clip or (0.0, 0.0)))))
             elif isinstance(s, Linear):
                 if hh * ww != 1:
                     raise Unsupported(f"a Linear on a flattened value of spatial size {(hh, ww)} (1 x 1 only)")
@@ -226,21 +229,26 @@ class Net:
                                                    oh, ow)))
                 out = (n, c, oh, ow)
             dims.append(out)
-        self.dims = dims
-        n, c, hh, ww = dims[prog.out]
-        if prog.flat and hh * ww != 1:
-            raise Unsupported(f"a flattened output of spatial size {(hh, ww)} (1 x 1 only)")
-        self._check(lib.kn_output(h, ids[prog.out], int(prog.flat)))
-        return (n, c) if prog.flat else (n, c, hh, ww)
+        self.dims, self.several = dims, isinstance(prog.out, tuple)
+        shapes = []
+        for slot in prog.out if self.several else (prog.out,):
+            n, c, hh, ww = dims[slot]
+            if prog.flat and hh * ww != 1:
+                raise Unsupported(f"a flattened output of spatial size {(hh, ww)} (1 x 1 only)")
+            self._check(lib.kn_output(h, ids[slot], int(prog.flat)))
+            shapes.append((n, c) if prog.flat else (n, c, hh, ww))
+        return shapes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | tuple:
+        """The output, or a tuple of them where the program has several (Program.out)."""
         x = x.contiguous()
-        out = torch.empty(self.out_shape)
+        outs = [torch.empty(shape) for shape in self.out_shapes]
+        ptrs = (ctypes.c_void_p * len(outs))(*[o.data_ptr() for o in outs])
         with self.lock:
-            rc = self.lib.kn_run(self.handle, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()))
+            rc = self.lib.kn_run(self.handle, ctypes.c_void_p(x.data_ptr()), ptrs)
         if rc < 0:
             raise RuntimeError(f"torchkiln oneDNN {self.dtype} net: {self.lib.kn_error(self.handle).decode()}")
-        return out
+        return tuple(outs) if self.several else outs[0]
 
     def forms(self) -> list[int]:
         """Each op's form, in program order (the input's reorder, one per step, the output's): a
@@ -299,6 +307,8 @@ class Runner(nn.Module):
         # a bf16 program answers in bf16 (the head after it runs on bf16 copies: passes/onednn_conv_net.py)
         want = torch.bfloat16 if self.prog.dtype == "bfloat16" else x.dtype
         out = net(x if x.dtype == torch.float32 else x.float())
-        return out if want == torch.float32 else out.to(want)
+        if want == torch.float32:
+            return out
+        return tuple(o.to(want) for o in out) if isinstance(out, tuple) else out.to(want)
 
 

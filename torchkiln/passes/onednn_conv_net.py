@@ -51,6 +51,8 @@ _BN = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.defaul
 _MAX_POOL = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
 # ATen ops returning (value, extras): their getitem 0 is the value, the extras are unused in eval
 _TUPLES = {aten._native_batch_norm_legit_no_training.default, aten.max_pool2d_with_indices.default}
+_CLIPS = {nn.functional.hardtanh, aten.hardtanh.default, aten.hardtanh_.default, aten.clamp.default}
+_PADS = {nn.functional.pad, aten.pad.default, aten.constant_pad_nd.default}
 
 
 def why_not() -> str | None:
@@ -93,6 +95,43 @@ def _global_mean(node: fx.Node, gm: fx.GraphModule) -> bool:
     return a["keepdim"] and a["dtype"] is None and sorted(d % 4 for d in a["dim"]) == [2, 3]
 
 
+def _clip_range(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
+    """(lo, hi) of a clamp to two numbers (ReLU6, Hardtanh, ATen's hardtanh and clamp), else None."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        return (float(m.min_val), float(m.max_val)) if type(m) in (nn.ReLU6, nn.Hardtanh) else None
+    if node.op != "call_function":
+        return None
+    if node.target is nn.functional.relu6:
+        return 0.0, 6.0
+    if node.target not in _CLIPS:
+        return None
+    a = _kw(node, gm)
+    lo, hi = a.get("min_val", a.get("min")), a.get("max_val", a.get("max"))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi))
+    return (float(lo), float(hi)) if numbers and lo <= hi else None
+
+
+def _pad_amounts(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
+    """(top, left, bottom, right) of a zero pad of H and W (nn.ZeroPad2d / ConstantPad2d(0), F.pad,
+    ATen's pad and constant_pad_nd), else None."""
+    if node.op == "call_module":
+        m = gm.get_submodule(node.target)
+        if type(m) not in (nn.ZeroPad2d, nn.ConstantPad2d) or m.value != 0:
+            return None
+        pad, mode, value = m.padding, "constant", 0
+    elif node.op == "call_function" and node.target in _PADS:
+        a = _kw(node, gm)
+        pad, mode, value = a["pad"], a.get("mode", "constant"), a.get("value")
+    else:
+        return None
+    if mode != "constant" or value not in (None, 0) or len(pad) != 4 or not all(isinstance(p, int) and p >= 0
+                                                                                 for p in pad):
+        return None
+    left, right, top, bottom = pad  # the last dimension's first
+    return top, left, bottom, right
+
+
 def _kind(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """What a node is to the program, or None (it is not one of the region's ops)."""
     fn = node.target if node.op == "call_function" else None
@@ -104,6 +143,10 @@ def _kind(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return "relu"
     if fn in _ADD or (node.op == "call_method" and node.target in ("add", "add_")):
         return "add"
+    if _clip_range(node, gm) is not None:
+        return "clip"
+    if _pad_amounts(node, gm) is not None:
+        return "pad"
     if _is(node, gm, nn.MaxPool2d, nn.AdaptiveAvgPool2d) or fn in _MAX_POOL or fn is aten.adaptive_avg_pool2d.default \
             or _global_mean(node, gm):
         return "pool"
@@ -129,6 +172,7 @@ class _Walk:
         self.tail: dict[int, fx.Node] = {0: x}
         self.region: list[fx.Node] = []
         self.folded = 0  # BatchNorms folded into convolutions
+        self.pads: dict[fx.Node, tuple] = {}  # a zero pad's node -> (t, l, b, r): its convolutions take it
 
     def fusable(self, node: fx.Node, value: fx.Node) -> Conv | None:
         """The convolution step ``node`` may fold into: ``value`` is a convolution's current output,
@@ -151,15 +195,20 @@ class _Walk:
     def take(self, node: fx.Node, kind: str):
         """Adds ``node`` to the program, or raises Unsupported naming it."""
         args = [a for a in node.args if isinstance(a, fx.Node)]
+        if kind != "conv" and any(a in self.pads for a in args):
+            raise Unsupported(f"{node.name}: reads a zero-padded value (only a convolution takes one, as its padding)")
         if kind == "conv":
             weight, bias, stride, padding, dilation, groups = self._conv(node)
             bias = None if bias is None else bias.detach().float()
+            if args[0] in self.pads:  # an explicit zero pad before it (TF "same" padding) is its padding
+                t, left, b, r = self.pads[args[0]]
+                padding = (padding[0] + t, padding[1] + left, padding[0] + b, padding[1] + r)
             self.add_step(node, Conv(self.slot[args[0]], None, weight.detach().float(), None, bias, stride, padding,
                                      dilation, groups, 1.0, 0, False))
         elif kind == "bn":
             mean, var, weight, bias, eps, training = self._bn(node)
             step = self.fusable(node, args[0])
-            if step is None or step.relu or step.other is not None or training or var is None:
+            if step is None or step.relu or step.clip or step.other is not None or training or var is None:
                 raise Unsupported(f"{node.name}: a BatchNorm2d not right after a convolution, or in training mode")
             k = (var + eps).rsqrt() * (1.0 if weight is None else weight)
             before = step.bias if step.bias is not None else torch.zeros_like(mean)
@@ -169,10 +218,19 @@ class _Walk:
             self.fold(node, args[0])
         elif kind == "relu":
             step = self.fusable(node, args[0])
-            if step is None or step.relu or len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
+            if step is None or step.relu or step.clip or len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
                 raise Unsupported(f"{node.name}: a ReLU not right after a convolution or its residual add")
             step.relu = True
             self.fold(node, args[0])
+        elif kind == "clip":
+            step = self.fusable(node, args[0])
+            if step is None or step.relu or step.clip or len(args) != 1:
+                raise Unsupported(f"{node.name}: a clamp (ReLU6) not right after a convolution or its residual add")
+            step.clip = _clip_range(node, self.gm)
+            self.fold(node, args[0])
+        elif kind == "pad":
+            self.slot[node] = self.slot[args[0]]  # the unpadded value: the convolutions reading it pad it
+            self.pads[node] = _pad_amounts(node, self.gm)
         elif kind == "add":
             if len(args) != 2 or len(node.args) != 2 or set(node.kwargs) - {"alpha"} or \
                     node.kwargs.get("alpha", 1) != 1 or any(a not in self.slot for a in args):
@@ -182,7 +240,7 @@ class _Walk:
             # the later convolution takes the sum: the other operand must exist when it runs
             a, b = sorted(args, key=lambda v: self.slot[v], reverse=True)
             step = self.fusable(node, a)
-            if step is None or step.relu or step.other is not None or self.slot[b] == self.slot[a]:
+            if step is None or step.relu or step.clip or step.other is not None or self.slot[b] == self.slot[a]:
                 raise Unsupported(f"{node.name}: an add whose later operand is not a convolution's output")
             step.other = self.slot[b]
             self.fold(node, a)
@@ -266,10 +324,10 @@ def exported(model: nn.Module, args, kwargs) -> fx.GraphModule:
         raise Unsupported(f"torch.export cannot trace {type(model).__name__}: {type(e).__name__}: {first[:300]}") from e
 
 
-def program(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tuple[Program, fx.Node, _Walk]:
+def program(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tuple[Program, list, _Walk]:
     """The conv region of ``gm`` (an fx trace or an exported module; read, not changed): (its program,
-    the node whose value the program returns, the walk that made it: its region's nodes, BatchNorms
-    folded). Raises Unsupported, naming the node, where it cannot be held."""
+    the nodes whose values the program returns, in graph order, the walk that made it: its region's
+    nodes, BatchNorms folded). Raises Unsupported, naming the node, where it cannot be held."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         raise Unsupported("the model takes no input")
@@ -288,16 +346,18 @@ def program(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tu
         raise Unsupported("no convolution reads the model's first input")
     # torch.export's input guard (``_guards_fn``) reads the input and stays: it checks its shape
     inside = set(walk.region) | {x} | {n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"}
-    out = {a for n in gm.graph.nodes if n not in inside for a in n.all_input_nodes if a in walk.slot}
-    if len(out) != 1:
-        names = ", ".join(sorted(n.name for n in out))
-        raise Unsupported(f"the conv region hands {len(out)} values to the rest of the model ({names}); one only")
-    (last,) = out
-    if last is x:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    outs = sorted({a for n in gm.graph.nodes if n not in inside for a in n.all_input_nodes if a in walk.slot},
+                  key=order.get)
+    if x in outs:
         raise Unsupported("the model reads its input outside the conv region")
-    last = _head(gm, walk, last)
-    prog.out, prog.winograd = walk.slot[last], winograd
-    return prog, last, walk
+    if any(o in walk.pads for o in outs):
+        raise Unsupported("a zero-padded value leaves the conv region (only a convolution takes one)")
+    if len(outs) == 1:
+        outs = [_head(gm, walk, outs[0])]
+    prog.out = walk.slot[outs[0]] if len(outs) == 1 else tuple(walk.slot[o] for o in outs)
+    prog.winograd = winograd
+    return prog, outs, walk
 
 
 def _flattens(node: fx.Node, gm: fx.GraphModule, value: fx.Node) -> bool:
@@ -361,11 +421,21 @@ def _head(gm: fx.GraphModule, walk: _Walk, last: fx.Node) -> fx.Node:
 def rewrite(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tuple[fx.GraphModule, _Walk]:
     """``gm`` (the model's own trace or export, changed in place) with its conv region replaced by one
     Runner call; and the walk that found the region."""
-    prog, last, walk = program(gm, winograd, dtype)
+    prog, outs, walk = program(gm, winograd, dtype)
     gm.add_submodule("conv_net", Runner(prog))
-    with gm.graph.inserting_after(last):
-        call = gm.graph.call_module("conv_net", (next(n for n in gm.graph.nodes if n.op == "placeholder"),))
-    last.replace_all_uses_with(call)
+    # The region reads the input alone, so its call goes right after it (and torch.export's guard),
+    # before every node that reads any of its values.
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    guard = [n for n in x.users if n.op == "call_module" and n.target == "_guards_fn"]
+    with gm.graph.inserting_after(guard[0] if guard else [n for n in gm.graph.nodes if n.op == "placeholder"][-1]):
+        call = gm.graph.call_module("conv_net", (x,))
+    if len(outs) == 1:
+        outs[0].replace_all_uses_with(call)
+    else:  # a tuple of the values, in graph order
+        for i, o in enumerate(outs):
+            with gm.graph.inserting_after(call):
+                item = gm.graph.call_function(operator.getitem, (call, i))
+            o.replace_all_uses_with(item)
     for node in reversed(walk.region):
         gm.graph.erase_node(node)
     for node in list(gm.graph.nodes):  # the parameters only the region read (an exported graph's)
