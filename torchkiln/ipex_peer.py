@@ -48,7 +48,9 @@ def build_ipex(model, sample, dtype):
     import torch
 
     args, kwargs = _args_of(sample)
-    trace_kw = dict(example_kwarg_inputs=kwargs, strict=False) if kwargs else {}
+    # strict=False: a transformers model returns a ModelOutput (a dict), which a strict trace refuses;
+    # IPEX's examples for transformers trace this way
+    trace_kw = dict(example_kwarg_inputs=kwargs, strict=False) if kwargs else dict(strict=False)
     with torch.no_grad():
         if dtype == "int8":
             from intel_extension_for_pytorch.quantization import convert, prepare

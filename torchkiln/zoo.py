@@ -83,14 +83,26 @@ def _transformers():
         raise ImportError("this zoo model needs transformers: pip install 'torchkiln[transformers]'") from e
 
 
-def _hf(config_name: str, model_name: str, **cfg):
+def _hf(config_name: str, model_name: str, attention: bool = True, **cfg):
     tf = _transformers()
-    config = getattr(tf, config_name)(attn_implementation="sdpa", **cfg)
+    config = getattr(tf, config_name)(**({"attn_implementation": "sdpa"} if attention else {}), **cfg)
     return getattr(tf, model_name)(config).eval()
 
 
 def resnet50(batch: int = 1, seq: int = 128):
     return ResNet().eval(), torch.randn(batch, 3, 224, 224)
+
+
+def resnet50_hf(batch: int = 1, seq: int = 128):
+    """transformers' ResNet-50 for classification (a torchvision-free ResNet as HF users load it)."""
+    return _hf("ResNetConfig", "ResNetForImageClassification", attention=False,
+               num_labels=1000), torch.randn(batch, 3, 224, 224)
+
+
+def mobilenet_v2(batch: int = 1, seq: int = 128):
+    """transformers' MobileNetV2 for classification: depthwise convolutions, ReLU6, TF "same" padding."""
+    return _hf("MobileNetV2Config", "MobileNetV2ForImageClassification", attention=False,
+               num_labels=1000), torch.randn(batch, 3, 224, 224)
 
 
 def bert_base(batch: int = 1, seq: int = 128):
@@ -128,6 +140,8 @@ def mlp(batch: int = 8, seq: int = 128):
 
 MODELS: dict[str, Callable] = {
     "resnet50": resnet50,
+    "resnet50-hf": resnet50_hf,
+    "mobilenet-v2": mobilenet_v2,
     "bert-base": bert_base,
     "vit-base": vit_base,
     "gpt2": gpt2,
