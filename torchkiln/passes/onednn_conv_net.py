@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import operator
 
 import torch
@@ -73,9 +74,23 @@ def _is(node: fx.Node, gm: fx.GraphModule, *types) -> nn.Module | None:
 
 
 def _kw(node: fx.Node, gm: fx.GraphModule) -> dict:
-    """An ATen node's arguments by schema name, defaults filled in."""
-    bound = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
-    return {} if bound is None else dict(bound.kwargs)
+    """A call's arguments by name, defaults filled in (an ATen op's first, ``self``, as ``input``).
+    Bound here: torch 2.6's ``Node.normalized_arguments`` leaves some positional ones out."""
+    fn = node.target
+    if isinstance(fn, torch._ops.OpOverload):
+        out = {}
+        for i, a in enumerate(fn._schema.arguments):
+            name = "input" if a.name == "self" else a.name
+            if i < len(node.args):
+                out[name] = node.args[i]
+            elif a.name in node.kwargs:
+                out[name] = node.kwargs[a.name]
+            elif a.has_default_value():
+                out[name] = a.default_value
+        return out
+    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _tensor(gm: fx.GraphModule, node: fx.Node, value, what: str) -> torch.Tensor | None:
