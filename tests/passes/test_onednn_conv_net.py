@@ -274,6 +274,8 @@ class Branchy(nn.Module):
 
 
 @pytest.mark.parametrize("model, match", [
+    (nn.Sequential(nn.Conv2d(3, 16, 3), nn.Sigmoid(), *[nn.Conv2d(16, 16, 3) for _ in range(3)]),
+     "holds 1 of the model's 4 convolutions"),
     (PadLeaves(), "a zero-padded value leaves the conv region"),
     (PadThenPool(), "pool: reads a zero-padded value"),
     (ReadTwice(), "relu: a ReLU not right after a convolution"),
