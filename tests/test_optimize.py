@@ -257,6 +257,40 @@ def test_numeric_mismatch_steps_to_the_fp32_tier(monkeypatch):
     torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-5)
 
 
+class Cancels(nn.Module):
+    """``x W - x W'`` with W' within 1e-3 of W: the products cancel, so bf16's rounding is most of the
+    result and every bf16 candidate, the plain cast included, is over the guard's 5% cap."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight + 1e-3 * torch.randn(32, 32))
+            self.b.bias.copy_(self.a.bias)
+
+    def forward(self, x):
+        return self.a(x) - self.b(x)
+
+
+def test_when_only_the_float32_model_as_given_passes_the_float32_recipe_competes(monkeypatch):
+    """Every bf16 candidate over the cap, the model as given (float32, in tier 0) passing: tier 1's
+    float32 recipe is still built and timed (it used to stop at the model as given, served eagerly)."""
+    with_bf16(monkeypatch)
+    m, x = Cancels().eval(), torch.randn(4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = tk.optimize(m, dtype=torch.bfloat16, sample_input=x, graph_mode=False, time_budget=0.2)
+    rep = o.kiln_report
+    by = {c.name: c for c in rep.candidates}
+    low = [c for c in rep.candidates if c.dtype == "bfloat16"]
+    assert low and all(c.status == "failed" and "output differs" in c.reason for c in low)
+    assert by["eager (as given, float32)"].status in ("passed", "served")
+    assert by["torchkiln eager passes (float32)"].status in ("passed", "served")
+    assert rep.dtype_served == "float32"
+    torch.testing.assert_close(o(x), m(x), rtol=1e-4, atol=1e-6)
+
+
 def test_original_ends_the_chain(monkeypatch):
     monkeypatch.setattr(cand_mod, "compile_model", lambda *a, **k: Boom())
     monkeypatch.setattr(cand_mod.Runner, "forward", lambda self, *a, **k: Boom()())

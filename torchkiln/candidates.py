@@ -8,7 +8,7 @@ against the original and timed against each other.
                                      reduce-overhead on CUDA), as stock.py builds it
       torchkiln's recipe             compiled (with and without CUDA graphs on CUDA),
                                      and its eager passes
-    tier 1 (only if nothing in tier 0 passes the guard):
+    tier 1 (only if nothing in tier 0 passes the guard, the model as given in float32 aside):
       torchkiln's recipe at float32, compiled and eager
     last: the original model (never verified: it is the reference)
 

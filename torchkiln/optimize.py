@@ -477,7 +477,10 @@ class KilnModule(OwnCalls, OriginalFace):
                 passed[cand.name] = fn
                 # The guard's verdict now: a CUDA-graph output is overwritten by the timing runs.
                 verdicts[cand.name] = verdict(out, ref, self._tols) if ref is not None and self._tols else None
-            if passed:
+            # Only the model as given in float32 passing (every bf16 one over the guard's tolerance: a
+            # random-init MobileNetV2's plain bf16 cast is 10% off, over the 5% cap) goes on to the next
+            # tier, torchkiln's float32 recipe: it served eager float32 at 0.2x IPEX before (RESULTS.md)
+            if any(self._find(n).dtype == self.kiln_recipe.dtype or self._find(n).kind != "eager" for n in passed):
                 break
         report.candidates = list(measures.values())
         replaced = self._replaced_state()
