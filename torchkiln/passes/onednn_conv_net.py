@@ -14,15 +14,17 @@ What it reads (the model itself is never changed): ``torch.fx.symbolic_trace`` o
 where that fails (a shape check or any other Python branch on a tensor, as in every transformers
 vision model), ``torch.export`` (non-strict) at each input shape's first call, whose ATen graph turns
 the same branches into guards. From either graph it takes the region that starts at the model's first
-input and is made of 2-D convolutions (zero, numeric padding), an eval BatchNorm right after a
-convolution (folded into it), ReLU right after a convolution or its residual add, an add of two
-region values where one is a convolution's output read only there (oneDNN's sum post-op), max
-pooling, average pooling to a divisor of the size (adaptive, or a mean over H and W), and identities
-(``nn.Identity``, eval dropout and its decomposed clone, the value part of ATen's tuple-returning
-batch norm and pooling). The region must hand one value to the rest of the graph: a global pool's
-flatten into one Linear joins the program (_head); any other head runs as the graph has it (after a
-bf16 program, on bf16 copies). Anything else refuses the model with the reason, and the other
-candidates serve it.
+input and is made of 2-D convolutions (zero, numeric padding; an explicit zero pad before one, as
+transformers' TF "same" padding, becomes its padding), an eval BatchNorm right after a convolution
+(folded into it), ReLU or a clamp to two numbers (ReLU6, Hardtanh) right after a convolution or its
+residual add, an add of two region values where one is a convolution's output read only there
+(oneDNN's sum post-op), max pooling, average pooling to a divisor of the size (adaptive, or a mean
+over H and W), and identities (``nn.Identity``, eval dropout and its decomposed clone, the value part
+of ATen's tuple-returning batch norm and pooling). The values the region hands to the rest of the
+graph are the program's outputs; where that is one global pool flattened into one Linear (a
+classifier head), the head joins the program (_head); any other head runs as the graph has it
+(after a bf16 program, on bf16 copies). Anything else refuses the model with the reason, as does a
+region holding too little of the model, and the other candidates serve it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _is(node: fx.Node, gm: fx.GraphModule, *types) -> nn.Module | None:
     return m if type(m) in types else None
 
 
-def _kw(node: fx.Node, gm: fx.GraphModule) -> dict:
+def _kw(node: fx.Node) -> dict:
     """A call's arguments by name, defaults filled in (an ATen op's first, ``self``, as ``input``).
     Bound here: torch 2.6's ``Node.normalized_arguments`` leaves some positional ones out."""
     fn = node.target
@@ -106,7 +108,7 @@ def _global_mean(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A mean over H and W keeping them (ATen's decomposed adaptive_avg_pool2d(x, 1))."""
     if node.op != "call_function" or node.target is not aten.mean.dim:
         return False
-    a = _kw(node, gm)
+    a = _kw(node)
     return a["keepdim"] and a["dtype"] is None and sorted(d % 4 for d in a["dim"]) == [2, 3]
 
 
@@ -121,7 +123,7 @@ def _clip_range(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
         return 0.0, 6.0
     if node.target not in _CLIPS:
         return None
-    a = _kw(node, gm)
+    a = _kw(node)
     lo, hi = a.get("min_val", a.get("min")), a.get("max_val", a.get("max"))
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi))
     return (float(lo), float(hi)) if numbers and lo <= hi else None
@@ -136,7 +138,7 @@ def _pad_amounts(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
             return None
         pad, mode, value = m.padding, "constant", 0
     elif node.op == "call_function" and node.target in _PADS:
-        a = _kw(node, gm)
+        a = _kw(node)
         pad, mode, value = a["pad"], a.get("mode", "constant"), a.get("value")
     else:
         return None
@@ -263,7 +265,7 @@ class _Walk:
             self.add_step(node, self._pool(node, self.slot[args[0]]))
         else:  # alias: the value passes through unchanged
             m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
-            if (m is not None and m.training) or (node.target is aten.dropout.default and _kw(node, self.gm)["train"]):
+            if (m is not None and m.training) or (node.target is aten.dropout.default and _kw(node)["train"]):
                 raise Unsupported(f"{node.name}: a Dropout in training mode")
             s = self.slot[args[0]]
             if self.tail[s] is args[0] and len(args[0].users) == 1:
@@ -282,7 +284,7 @@ class _Walk:
             if len(node.args) != 1 or node.kwargs:
                 raise Unsupported(f"{node.name}: a Conv2d called with more than its input")
             return m.weight, m.bias, _pair(m.stride), _pair(m.padding), _pair(m.dilation), m.groups
-        a = _kw(node, self.gm)
+        a = _kw(node)
         weight = _tensor(self.gm, node, a["weight"], "weight")
         if a.get("transposed") or weight.dim() != 4 or isinstance(a["padding"], str):
             raise Unsupported(f"{node.name}: a convolution other than a 2-D one with numeric padding")
@@ -295,14 +297,14 @@ class _Walk:
             m = self.gm.get_submodule(node.target)
             affine = m.weight if m.affine else None, m.bias if m.affine else None
             return m.running_mean, m.running_var, *affine, m.eps, m.training
-        a = _kw(node, self.gm)
+        a = _kw(node)
         t = {k: _tensor(self.gm, node, a[k], k) for k in ("running_mean", "running_var", "weight", "bias")}
         return t["running_mean"], t["running_var"], t["weight"], t["bias"], a["eps"], a.get("training", False)
 
     def _pool(self, node: fx.Node, src: int) -> Pool:
         m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(m, nn.AdaptiveAvgPool2d) or node.target is aten.adaptive_avg_pool2d.default:
-            size = _pair(m.output_size if m is not None else _kw(node, self.gm)["output_size"])
+            size = _pair(m.output_size if m is not None else _kw(node)["output_size"])
             if None in size:
                 raise Unsupported(f"{node.name}: AdaptiveAvgPool2d to {size} (sizes only)")
             return Pool(src, True, None, None, (0, 0), size=size)
@@ -313,7 +315,7 @@ class _Walk:
                 raise Unsupported(f"{node.name}: MaxPool2d returning indices")
             kernel_size, stride, padding, dilation, ceil = m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode
         else:
-            a = _kw(node, self.gm)
+            a = _kw(node)
             kernel_size, stride, padding, dilation, ceil = (a["kernel_size"], a["stride"], a["padding"], a["dilation"],
                                                             a["ceil_mode"])
         if _pair(dilation) != (1, 1):
@@ -366,9 +368,9 @@ def program(gm: fx.GraphModule, winograd: int = 1, dtype: str = "float32") -> tu
     total = sum(_kind(n, gm) == "conv" for n in gm.graph.nodes)
     ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")
            and n.target is not operator.getitem and n.target != "_guards_fn"]
-    inside = sum(n.target is not operator.getitem for n in walk.region)
-    if 2 * held < total or 4 * inside < len(ops):
-        raise Unsupported(f"the conv region holds {held} of the model's {total} convolutions and {inside} of its "
+    taken = sum(n.target is not operator.getitem for n in walk.region)
+    if 2 * held < total or 4 * taken < len(ops):
+        raise Unsupported(f"the conv region holds {held} of the model's {total} convolutions and {taken} of its "
                           f"{len(ops)} ops (half the convolutions and a quarter of the ops at least)")
     # torch.export's input guard (``_guards_fn``) reads the input and stays: it checks its shape
     inside = set(walk.region) | {x} | {n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"}
@@ -394,7 +396,7 @@ def _flattens(node: fx.Node, gm: fx.GraphModule, value: fx.Node) -> bool:
     if node.op in ("call_function", "call_method") and node.target in (torch.flatten, "flatten"):
         return not node.kwargs and tuple(node.args) in ((value, 1), (value, 1, -1))
     if node.target is aten.flatten.using_ints:
-        a = _kw(node, gm)
+        a = _kw(node)
         return (a["start_dim"], a["end_dim"]) == (1, -1)
     if node.target in (aten.view.default, aten.reshape.default):  # ATen's decomposed flatten, by shape
         src, out = value.meta.get("val"), node.meta.get("val")
@@ -409,10 +411,10 @@ def _linear(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
     if m is not None:
         return (m.weight, m.bias, []) if len(node.args) == 1 and not node.kwargs else None
     if node.target is aten.linear.default:
-        a = _kw(node, gm)
+        a = _kw(node)
         return _tensor(gm, node, a["weight"], "weight"), _tensor(gm, node, a["bias"], "bias"), []
     if node.target is aten.addmm.default:
-        a = _kw(node, gm)
+        a = _kw(node)
         t = a["mat2"]
         if a["beta"] != 1 or a["alpha"] != 1 or not isinstance(t, fx.Node) or len(t.users) != 1 or not (
                 t.target is aten.t.default or (t.target is aten.permute.default and list(t.args[1]) == [1, 0])):
