@@ -102,6 +102,9 @@ def _bn_calibrated(model: nn.Module) -> nn.Module:
     for m in bns:
         m.reset_running_stats()
         m.momentum = None  # a plain average over the batches
+        if m.affine:  # EfficientNet's init draws them from N(0, 0.02): each layer then shrinks 50x
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
     model.train()
     with torch.no_grad():
         for _ in range(2):
@@ -118,6 +121,13 @@ def resnet50_hf(batch: int = 1, seq: int = 128):
 def mobilenet_v2(batch: int = 1, seq: int = 128):
     """transformers' MobileNetV2 for classification: depthwise convolutions, ReLU6, TF "same" padding."""
     model = _hf("MobileNetV2Config", "MobileNetV2ForImageClassification", attention=False, num_labels=1000)
+    return _bn_calibrated(model), torch.randn(batch, 3, 224, 224)
+
+
+def efficientnet_b0(batch: int = 1, seq: int = 128):
+    """transformers' EfficientNet-B0 for classification: SiLU, squeeze-and-excite gates, "same" padding."""
+    model = _hf("EfficientNetConfig", "EfficientNetForImageClassification", attention=False, num_labels=1000,
+                width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280)
     return _bn_calibrated(model), torch.randn(batch, 3, 224, 224)
 
 
@@ -158,6 +168,7 @@ MODELS: dict[str, Callable] = {
     "resnet50": resnet50,
     "resnet50-hf": resnet50_hf,
     "mobilenet-v2": mobilenet_v2,
+    "efficientnet-b0": efficientnet_b0,
     "bert-base": bert_base,
     "vit-base": vit_base,
     "gpt2": gpt2,

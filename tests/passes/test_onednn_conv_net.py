@@ -254,6 +254,15 @@ class PadThenPool(nn.Module):
         return self.pool(nn.functional.pad(self.conv(x), (0, 1, 0, 1)))
 
 
+class SiluTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+
+    def forward(self, x):
+        return torch.sigmoid(F.silu(self.conv(x)))
+
+
 class ReadTwice(nn.Module):
     def __init__(self):
         super().__init__()
@@ -274,13 +283,13 @@ class Branchy(nn.Module):
 
 
 @pytest.mark.parametrize("model, match", [
-    (nn.Sequential(nn.Conv2d(3, 16, 3), nn.Sigmoid(), *[nn.Conv2d(16, 16, 3) for _ in range(3)]),
+    (nn.Sequential(nn.Conv2d(3, 16, 3), nn.GELU(), *[nn.Conv2d(16, 16, 3) for _ in range(3)]),
      "holds 1 of the model's 4 convolutions"),
     (PadLeaves(), "a zero-padded value leaves the conv region"),
     (PadThenPool(), "pool: reads a zero-padded value"),
     (ReadTwice(), "relu: a ReLU not right after a convolution"),
-    (nn.Sequential(nn.Conv2d(3, 16, 3, padding="same")), "padding='same'"),
     (nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, padding_mode="reflect")), "padding_mode='reflect'"),
+    (SiluTwice(), "a SiLU or sigmoid not right after a convolution"),
     (nn.Sequential(nn.Linear(4, 4)), "no convolution reads the model's first input"),
 ])
 def test_what_it_cannot_hold_is_refused_with_the_reason(model, match):
@@ -494,3 +503,71 @@ def test_a_transformers_mobilenet_base_model_is_served_whole():
     assert served.folded == served.convs and "conv_net" in served.rewritten.code
     code = served.rewritten.code  # the pads, clamps and the pool all joined it; the pooler's flatten did not
     assert not [op for op in ("conv2d", "aten.pad", "hardtanh", "batch_norm", "adaptive_avg_pool2d") if op in code]
+
+
+class SqueezeExcite(nn.Module):
+    """EfficientNet's block: a SiLU expansion, a depthwise convolution with "same" padding, a
+    squeeze-and-excite gate (global pool, 1x1 convolutions with SiLU and sigmoid, a broadcast product),
+    a projection with a residual add, an even kernel's asymmetric "same" padding, and a pooler that
+    is one window over the whole input."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand, self.bn1 = nn.Conv2d(16, 64, 1, bias=False), bn(64)
+        self.dw, self.bn2 = nn.Conv2d(64, 64, 5, padding="same", groups=64, bias=False), bn(64)
+        self.reduce, self.grow = nn.Conv2d(64, 8, 1), nn.Conv2d(8, 64, 1)
+        self.project, self.bn3 = nn.Conv2d(64, 16, 1, bias=False), bn(16)
+        self.even = nn.Conv2d(16, 32, 4, padding="same")
+        self.pool = nn.AvgPool2d(64, ceil_mode=True)
+
+    def forward(self, x):
+        y = F.silu(self.bn1(self.expand(x)))
+        y = nn.functional.silu(self.bn2(self.dw(y)))
+        gate = torch.sigmoid(self.grow(F.silu(self.reduce(F.adaptive_avg_pool2d(y, 1)))))
+        y = self.bn3(self.project(y * gate)) + x
+        return self.pool(torch.relu(self.even(y)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_squeeze_excite_block_with_silu_and_same_padding_matches_eager(dtype):
+    torch.manual_seed(9)
+    served = assert_matches_eager(SqueezeExcite().eval(), torch.randn(2, 16, 13, 11), dtype=dtype)
+    code = served.rewritten.code
+    assert "conv_net" in code and not [m for m in ("silu", "sigmoid", "pool", "even", "mul") if m in code]
+
+
+class BadProduct(nn.Module):
+    """Two full maps multiplied (a gating the program's broadcast product does not cover)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(3, 16, 1)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+def test_a_product_of_two_full_maps_is_refused_at_the_first_call():
+    served = OneDNNConvNet(BadProduct().eval())  # the shapes are known only when the program is built
+    with pytest.raises(Unsupported, match=r"a product of values shaped .* \(one \(N, C, 1, 1\) only\)"):
+        served(torch.randn(1, 3, 8, 8))
+
+
+def test_a_transformers_efficientnet_is_served_whole():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(10)
+    config = tf.EfficientNetConfig(width_coefficient=0.25, depth_coefficient=0.25, image_size=64, hidden_dim=320,
+                                   num_labels=5)
+    model = tf.EfficientNetForImageClassification(config).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 64, 64)
+    served = OneDNNConvNet(model)
+    with torch.no_grad():
+        got, ref = served(x), model(x)
+    assert rel(got.logits, ref.logits) < TOL and served.front == "torch.export"
+    code = served.rewritten.code  # the trunk, its gates and pooler in the program; the classifier after it
+    assert not [op for op in ("conv2d", "aten.pad", "silu", "sigmoid", "batch_norm", "avg_pool2d") if op in code]

@@ -24,7 +24,7 @@
 // convolution takes the form that finalize timed fastest inside the net, the direct kernel included.
 //
 // The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new(dtype, winograd),
-// then kn_input / kn_conv / kn_pool / kn_linear / kn_output in graph order (each
+// then kn_input / kn_conv / kn_pool / kn_linear / kn_scale / kn_output in graph order (each
 // returns a tensor id, or -1 with kn_error set), kn_finalize (primitives, buffers, the Winograd
 // choice), kn_run per call. A net is not reentrant: callers serialise.
 #include <oneapi/dnnl/dnnl.hpp>
@@ -55,8 +55,8 @@ struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32 / bf16
 };
 
 struct Op {
-  enum Kind { INPUT, CONV, POOL, LINEAR, OUTPUT } kind;
-  int src = -1, other = -1, dst = -1;
+  enum Kind { INPUT, CONV, POOL, LINEAR, SCALE, OUTPUT } kind;
+  int src = -1, other = -1, dst = -1;  // other: a CONV's residual, a SCALE's (N, C, 1, 1) factor
   // conv
   std::vector<int8_t> weight;  // OIHW codes (G*O/G, I/G, KH, KW)
   std::vector<float> fweight;  // float32 net: OIHW weights
@@ -64,7 +64,8 @@ struct Op {
   memory::dims wdims, strides, pad_l, pad_r, dil;
   int groups = 1;
   bool has_bias = false, flat = false;  // flat: an output's (N, C*H*W) in NCHW order
-  // the activation after the convolution (and its sum): 0 none, 1 ReLU, 2 clamp to [lo, hi] (ReLU6)
+  // the activation after the convolution (and its sum): 0 none, 1 ReLU, 2 clamp to [lo, hi] (ReLU6),
+  // 3 SiLU (swish), 4 sigmoid
   int act = 0;
   float lo = 0.f, hi = 0.f;
   // pool
@@ -171,7 +172,7 @@ bool wino_eligible(const Net* n, const Op& op) {
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   return floating(n) && n->winograd != 0 && op.groups == 1 && op.wdims[2] == 3 && op.wdims[3] == 3 &&
          op.strides == memory::dims{1, 1} && op.dil == memory::dims{0, 0} && op.pad_l == memory::dims{1, 1} &&
-         op.pad_r == memory::dims{1, 1} && s.dims[1] % 16 == 0 && d.dims[1] % 16 == 0;
+         op.pad_r == memory::dims{1, 1} && s.dims[1] % 16 == 0 && d.dims[1] % 16 == 0 && op.act <= 2;
 }
 
 // bf16 storage as uint16_t: widened exactly, narrowed to nearest even (as oneDNN's conversions)
@@ -397,6 +398,8 @@ void build_conv(Net* n, Op& op) {
   }
   if (op.act == 1) po.append_eltwise(algorithm::eltwise_relu, 0.f, 0.f);
   if (op.act == 2) po.append_eltwise(algorithm::eltwise_clip, op.lo, op.hi);
+  if (op.act == 3) po.append_eltwise(algorithm::eltwise_swish, 1.f, 0.f);
+  if (op.act == 4) po.append_eltwise(algorithm::eltwise_logistic, 0.f, 0.f);
   attr.set_post_ops(po);
   const dt wt = floating(n) ? n->adt : dt::s8;  // a bf16 net's weights: converted by their reorder
   auto wany = memory::desc(wd, wt, tag::any);
@@ -468,6 +471,16 @@ void build_pool(Net* n, Op& op) {
                                             op.strides, op.kernel, op.dil, op.pad_l, op.pad_r, attr);
   n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
   op.prim = pooling_forward(pd);
+}
+
+// x * s with s (N, C, 1, 1) broadcast over H and W (a squeeze-and-excite block's gate)
+void build_scale(Net* n, Op& op) {
+  const Tensor &s = n->tensors[op.src], &f = n->tensors[op.other], &d = n->tensors[op.dst];
+  primitive_attr attr;
+  attr.set_scratchpad_mode(scratchpad_mode::user);
+  auto pd = binary::primitive_desc(n->eng, algorithm::binary_mul, act(n, s), act(n, f), act(n, d), attr);
+  n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
+  op.prim = binary(pd);
 }
 
 // quantize (f32 NCHW -> u8 NHWC) or dequantize (u8 -> f32, NCHW or (N, C)) as one reorder; in a
@@ -711,6 +724,23 @@ int kn_linear(void* net, int src, int64_t out_f, const float* weight, const floa
   });
 }
 
+// a float net's x * s, s (N, C, 1, 1) broadcast over x's (N, C, H, W)
+int kn_scale(void* net, int src, int by) {
+  Net* n = static_cast<Net*>(net);
+  return guarded(n, [&] {
+    const Tensor s = n->tensors.at(src), f = n->tensors.at(by);
+    if (!floating(n) || f.dims != memory::dims{s.dims[0], s.dims[1], 1, 1})
+      throw std::runtime_error("a scale needs a float net's (N, C, 1, 1) factor");
+    Op op;
+    op.kind = Op::SCALE;
+    op.src = src;
+    op.other = by;
+    op.dst = add_tensor(n, s.dims, 1.f, 0);
+    n->ops.push_back(std::move(op));
+    return n->ops.back().dst;
+  });
+}
+
 // one more of the net's outputs (kn_run's outs, in this order); flat: the output is (N, C*H*W) in
 // NCHW order (a flatten), allowed where H = W = 1
 int kn_output(void* net, int src, int flat) {
@@ -743,10 +773,11 @@ int kn_finalize(void* net) {
       if (op.dst >= 0) {
         Tensor& d = n->tensors[op.dst];
         size_t size = bytes(n, d);
-        if (op.other >= 0 && last[op.other] == i && op.other != op.src) {
+        const bool sums = op.kind == Op::CONV && op.other >= 0;  // a SCALE's factor is only read
+        if (sums && last[op.other] == i && op.other != op.src) {
           d.buffer = n->tensors[op.other].buffer;  // the sum post-op accumulates in place
         } else {
-          op.copy_other = op.other >= 0;
+          op.copy_other = sums;
           auto it = std::find_if(free_list.begin(), free_list.end(),
                                  [&](auto& f) { return f.first >= size; });
           if (it != free_list.end()) {
@@ -762,7 +793,7 @@ int kn_finalize(void* net) {
       std::vector<int> reads{op.src};
       if (op.other >= 0 && op.other != op.src) reads.push_back(op.other);
       for (int t : reads) {
-        if (t >= 0 && last[t] == i && !(t == op.other && !op.copy_other)) {
+        if (t >= 0 && last[t] == i && !(t == op.other && op.kind == Op::CONV && !op.copy_other)) {
           free_list.emplace_back(n->buffers[n->tensors[t].buffer].size(), n->tensors[t].buffer);
           std::sort(free_list.begin(), free_list.end());
         }
@@ -771,6 +802,7 @@ int kn_finalize(void* net) {
     for (auto& op : n->ops) {
       if (op.kind == Op::CONV) build_conv(n, op);
       if (op.kind == Op::POOL) build_pool(n, op);
+      if (op.kind == Op::SCALE) build_scale(n, op);
       if (op.kind == Op::LINEAR) build_linear(n, op);
       if (op.kind == Op::INPUT) build_reorder(n, op, true);
       if (op.kind == Op::OUTPUT) build_reorder(n, op, false);
@@ -808,9 +840,10 @@ int kn_finalize(void* net) {
         op.args[DNNL_ARG_DST] = flat(op.dst);
         op.args[DNNL_ARG_SCRATCHPAD] = scratch;
       } else {
-        op.args[DNNL_ARG_SRC] = mem(op.src);
+        op.args[DNNL_ARG_SRC] = mem(op.src);  // a SCALE's DNNL_ARG_SRC_0
         op.args[DNNL_ARG_DST] = mem(op.dst);
         op.args[DNNL_ARG_SCRATCHPAD] = scratch;
+        if (op.kind == Op::SCALE) op.args[DNNL_ARG_SRC_1] = mem(op.other);
       }
     }
     if (bind_wino(n, scratch)) choose_wino(n);

@@ -92,7 +92,7 @@ def load() -> ctypes.CDLL | str:
         "kn_output": (c_int, [vp, c_int, c_int]), "kn_finalize": (c_int, [vp]), "kn_run": (c_int, [vp, vp, ctypes.POINTER(vp)]),
         "kn_forms": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
         "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
-        "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]),
+        "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]), "kn_scale": (c_int, [vp, c_int, c_int]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -126,6 +126,16 @@ class Conv:
     zp: int
     relu: bool
     clip: tuple | None = None  # (lo, hi): clamped after the sum instead (ReLU6 is (0, 6))
+    eltwise: str | None = None  # "silu" or "sigmoid" after the sum instead
+
+    def act(self) -> tuple:
+        """kn_conv's (act, lo, hi): 0 none, 1 ReLU, 2 clamp, 3 SiLU, 4 sigmoid."""
+        if self.eltwise:
+            return {"silu": 3, "sigmoid": 4}[self.eltwise], 0.0, 0.0
+        return (2, *self.clip) if self.clip else (int(self.relu), 0.0, 0.0)
+
+    def activated(self) -> bool:
+        return bool(self.relu or self.clip or self.eltwise)
 
 
 @dataclass
@@ -137,6 +147,15 @@ class Pool:
     padding: tuple
     ceil: bool = False
     size: tuple | None = None
+
+
+@dataclass
+class Scale:
+    """A float program's product of a (N, C, H, W) value and a (N, C, 1, 1) one (a squeeze-and-excite
+    gate), in either order."""
+
+    src: int
+    other: int
 
 
 @dataclass
@@ -209,7 +228,14 @@ class Net:
                 ids.append(self._check(lib.kn_conv(h, ids[s.src], other, s.weight.shape[0], kh, kw, ints(sh, sw),
                                                    ints(pt, pl, pb, pr), ints(dh, dw), s.groups, s.weight.data_ptr(),
                                                    None if s.wscale is None else s.wscale.data_ptr(), bias, s.scale,
-                                                   s.zp, 2 if s.clip else int(s.relu), *(s.clip or (0.0, 0.0)))))
+                                                   s.zp, *s.act())))
+            elif isinstance(s, Scale):
+                big, small = (s.src, s.other) if dims[s.other][2:] == (1, 1) else (s.other, s.src)
+                if dims[small] != (*dims[big][:2], 1, 1):
+                    raise Unsupported(f"a product of values shaped {dims[s.src]} and {dims[s.other]} (one (N, C, 1, 1) "
+                                      "only)")
+                ids.append(self._check(lib.kn_scale(h, ids[big], ids[small])))
+                out = dims[big]
             elif isinstance(s, Linear):
                 if hh * ww != 1:
                     raise Unsupported(f"a Linear on a flattened value of spatial size {(hh, ww)} (1 x 1 only)")
@@ -225,6 +251,8 @@ class Net:
                 else:
                     k, st, pad = s.kernel, s.stride, s.padding
                     oh, ow = (_pooled(hh, k[0], st[0], pad[0], s.ceil), _pooled(ww, k[1], st[1], pad[1], s.ceil))
+                    if (oh, ow) == (1, 1) and pad == (0, 0) and k[0] >= hh and k[1] >= ww:
+                        k = st = (hh, ww)  # one window over the whole input (EfficientNet's pooler): a global pool
                 ids.append(self._check(lib.kn_pool(h, ids[s.src], int(s.avg), ints(*k), ints(*st), ints(*pad),
                                                    oh, ow)))
                 out = (n, c, oh, ow)

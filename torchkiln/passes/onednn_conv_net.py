@@ -39,7 +39,7 @@ from torch import fx, nn
 
 from .. import inputs
 from ..kernels import onednn_net as kernel
-from ..kernels.onednn_net import Conv, Linear, Pool, Program, Runner
+from ..kernels.onednn_net import Conv, Linear, Pool, Program, Runner, Scale
 from .onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
 
 # Whether 3x3 convolutions may run as Winograd (each still only where it timed faster). False keeps
@@ -49,13 +49,16 @@ WINOGRAD = True
 aten = torch.ops.aten
 _RELU = {torch.relu, torch.relu_, nn.functional.relu, aten.relu.default, aten.relu_.default}
 _ADD = {operator.add, operator.iadd, torch.add, aten.add.Tensor, aten.add_.Tensor}
-_CONV = {aten.conv2d.default, aten.convolution.default}
 _BN = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
 _MAX_POOL = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
 # ATen ops returning (value, extras): their getitem 0 is the value, the extras are unused in eval
 _TUPLES = {aten._native_batch_norm_legit_no_training.default, aten.max_pool2d_with_indices.default}
 _CLIPS = {nn.functional.hardtanh, aten.hardtanh.default, aten.hardtanh_.default, aten.clamp.default}
 _PADS = {nn.functional.pad, aten.pad.default, aten.constant_pad_nd.default}
+_CONV = {aten.conv2d.default, aten.conv2d.padding, aten.convolution.default}
+_ELTWISE = {nn.functional.silu: "silu", aten.silu.default: "silu", aten.silu_.default: "silu", torch.sigmoid: "sigmoid",
+            aten.sigmoid.default: "sigmoid", aten.sigmoid_.default: "sigmoid"}
+_MUL = {operator.mul, torch.mul, aten.mul.Tensor}
 
 
 def why_not() -> str | None:
@@ -149,6 +152,15 @@ def _pad_amounts(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
     return top, left, bottom, right
 
 
+def _eltwise(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """"silu" or "sigmoid" for a SiLU or sigmoid call, else None."""
+    if node.op == "call_module":
+        return {nn.SiLU: "silu", nn.Sigmoid: "sigmoid"}.get(type(gm.get_submodule(node.target)))
+    if node.op == "call_method":
+        return {"sigmoid": "sigmoid", "sigmoid_": "sigmoid"}.get(node.target)
+    return _ELTWISE.get(node.target) if node.op == "call_function" else None
+
+
 def _kind(node: fx.Node, gm: fx.GraphModule) -> str | None:
     """What a node is to the program, or None (it is not one of the region's ops)."""
     fn = node.target if node.op == "call_function" else None
@@ -162,9 +174,14 @@ def _kind(node: fx.Node, gm: fx.GraphModule) -> str | None:
         return "add"
     if _clip_range(node, gm) is not None:
         return "clip"
+    if _eltwise(node, gm) is not None:
+        return "eltwise"
+    if fn in _MUL or (node.op == "call_method" and node.target == "mul"):
+        return "mul"
     if _pad_amounts(node, gm) is not None:
         return "pad"
-    if _is(node, gm, nn.MaxPool2d, nn.AdaptiveAvgPool2d) or fn in _MAX_POOL or fn is aten.adaptive_avg_pool2d.default \
+    if _is(node, gm, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.AvgPool2d) or fn in _MAX_POOL or fn in (
+            aten.adaptive_avg_pool2d.default, nn.functional.adaptive_avg_pool2d, aten.avg_pool2d.default) \
             or _global_mean(node, gm):
         return "pool"
     if _is(node, gm, nn.Identity, nn.Dropout) or fn in (aten.dropout.default, aten.clone.default) or (
@@ -219,13 +236,14 @@ class _Walk:
             bias = None if bias is None else bias.detach().float()
             if args[0] in self.pads:  # an explicit zero pad before it (TF "same" padding) is its padding
                 t, left, b, r = self.pads[args[0]]
-                padding = (padding[0] + t, padding[1] + left, padding[0] + b, padding[1] + r)
+                pt, pl, pb, pr = padding if len(padding) == 4 else (*padding, *padding)
+                padding = (pt + t, pl + left, pb + b, pr + r)
             self.add_step(node, Conv(self.slot[args[0]], None, weight.detach().float(), None, bias, stride, padding,
                                      dilation, groups, 1.0, 0, False))
         elif kind == "bn":
             mean, var, weight, bias, eps, training = self._bn(node)
             step = self.fusable(node, args[0])
-            if step is None or step.relu or step.clip or step.other is not None or training or var is None:
+            if step is None or step.activated() or step.other is not None or training or var is None:
                 raise Unsupported(f"{node.name}: a BatchNorm2d not right after a convolution, or in training mode")
             k = (var + eps).rsqrt() * (1.0 if weight is None else weight)
             before = step.bias if step.bias is not None else torch.zeros_like(mean)
@@ -235,13 +253,23 @@ class _Walk:
             self.fold(node, args[0])
         elif kind == "relu":
             step = self.fusable(node, args[0])
-            if step is None or step.relu or step.clip or len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
+            if step is None or step.activated() or len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
                 raise Unsupported(f"{node.name}: a ReLU not right after a convolution or its residual add")
             step.relu = True
             self.fold(node, args[0])
+        elif kind == "eltwise":
+            step = self.fusable(node, args[0])
+            if step is None or step.activated() or len(args) != 1 or set(node.kwargs) - {"inplace"}:
+                raise Unsupported(f"{node.name}: a SiLU or sigmoid not right after a convolution or its residual add")
+            step.eltwise = _eltwise(node, self.gm)
+            self.fold(node, args[0])
+        elif kind == "mul":
+            if len(args) != 2 or len(node.args) != 2 or node.kwargs or any(a not in self.slot for a in args):
+                raise Unsupported(f"{node.name}: a product of other than two of the region's tensors")
+            self.add_step(node, Scale(self.slot[args[0]], self.slot[args[1]]))
         elif kind == "clip":
             step = self.fusable(node, args[0])
-            if step is None or step.relu or step.clip or len(args) != 1:
+            if step is None or step.activated() or len(args) != 1:
                 raise Unsupported(f"{node.name}: a clamp (ReLU6) not right after a convolution or its residual add")
             step.clip = _clip_range(node, self.gm)
             self.fold(node, args[0])
@@ -257,7 +285,7 @@ class _Walk:
             # the later convolution takes the sum: the other operand must exist when it runs
             a, b = sorted(args, key=lambda v: self.slot[v], reverse=True)
             step = self.fusable(node, a)
-            if step is None or step.relu or step.clip or step.other is not None or self.slot[b] == self.slot[a]:
+            if step is None or step.activated() or step.other is not None or self.slot[b] == self.slot[a]:
                 raise Unsupported(f"{node.name}: an add whose later operand is not a convolution's output")
             step.other = self.slot[b]
             self.fold(node, a)
@@ -278,18 +306,23 @@ class _Walk:
         """(weight, bias, stride, padding, dilation, groups) of an nn.Conv2d or ATen convolution."""
         if node.op == "call_module":
             m = self.gm.get_submodule(node.target)
-            if m.padding_mode != "zeros" or isinstance(m.padding, str):
-                raise Unsupported(f"{node.name}: Conv2d with padding={m.padding!r}, padding_mode={m.padding_mode!r} "
-                                  "(numeric zero padding only)")
+            if m.padding_mode != "zeros":
+                raise Unsupported(f"{node.name}: Conv2d with padding_mode={m.padding_mode!r} (zero padding only)")
             if len(node.args) != 1 or node.kwargs:
                 raise Unsupported(f"{node.name}: a Conv2d called with more than its input")
-            return m.weight, m.bias, _pair(m.stride), _pair(m.padding), _pair(m.dilation), m.groups
-        a = _kw(node)
-        weight = _tensor(self.gm, node, a["weight"], "weight")
-        if a.get("transposed") or weight.dim() != 4 or isinstance(a["padding"], str):
-            raise Unsupported(f"{node.name}: a convolution other than a 2-D one with numeric padding")
-        return (weight, _tensor(self.gm, node, a["bias"], "bias"), _pair(a["stride"]), _pair(a["padding"]),
-                _pair(a["dilation"]), a["groups"])
+            weight, bias, stride, padding, dilation, groups = (m.weight, m.bias, _pair(m.stride), m.padding,
+                                                               _pair(m.dilation), m.groups)
+        else:
+            a = _kw(node)
+            weight = _tensor(self.gm, node, a["weight"], "weight")
+            if a.get("transposed") or weight.dim() != 4:
+                raise Unsupported(f"{node.name}: a convolution other than a 2-D one")
+            bias, stride, padding = _tensor(self.gm, node, a["bias"], "bias"), _pair(a["stride"]), a["padding"]
+            dilation, groups = _pair(a["dilation"]), a["groups"]
+        if padding == "same":  # torch's: the odd one out at the bottom and right
+            th, tw = (d * (k - 1) for d, k in zip(dilation, weight.shape[2:], strict=True))
+            padding = (th // 2, tw // 2, th - th // 2, tw - tw // 2)
+        return weight, bias, stride, (0, 0) if padding == "valid" else _pair(padding), dilation, groups
 
     def _bn(self, node: fx.Node) -> tuple:
         """(running mean, running var, weight, bias, eps, training) of an nn.BatchNorm2d or ATen batch norm."""
@@ -303,13 +336,21 @@ class _Walk:
 
     def _pool(self, node: fx.Node, src: int) -> Pool:
         m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
-        if isinstance(m, nn.AdaptiveAvgPool2d) or node.target is aten.adaptive_avg_pool2d.default:
+        if isinstance(m, nn.AdaptiveAvgPool2d) or node.target in (aten.adaptive_avg_pool2d.default,
+                                                                   nn.functional.adaptive_avg_pool2d):
             size = _pair(m.output_size if m is not None else _kw(node)["output_size"])
             if None in size:
                 raise Unsupported(f"{node.name}: AdaptiveAvgPool2d to {size} (sizes only)")
             return Pool(src, True, None, None, (0, 0), size=size)
         if m is None and node.target is aten.mean.dim:
             return Pool(src, True, None, None, (0, 0), size=(1, 1))
+        if isinstance(m, nn.AvgPool2d) or node.target is aten.avg_pool2d.default:
+            a = vars(m) if m is not None else _kw(node)
+            kernel_size, stride, padding = _pair(a["kernel_size"]), _pair(a["stride"] or a["kernel_size"]), a["padding"]
+            # oneDNN's average excludes the padding; with none, torch's count_include_pad is the same
+            if _pair(padding) != (0, 0) and a["count_include_pad"] or a["divisor_override"]:
+                raise Unsupported(f"{node.name}: average pooling counting its padding, or with a divisor override")
+            return Pool(src, True, kernel_size, stride, _pair(padding), bool(a["ceil_mode"]))
         if m is not None:
             if m.return_indices:
                 raise Unsupported(f"{node.name}: MaxPool2d returning indices")
