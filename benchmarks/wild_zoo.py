@@ -1,5 +1,5 @@
 """#6's promise on models torchkiln was never tuned on: never slower than the best stock recipe,
-never silently wrong. Twenty-one models outside the built-in zoo (transformers architectures random-
+never silently wrong. Twenty-three models outside the built-in zoo (transformers architectures random-
 initialised from small configs, plus plain-torch LSTM, GRU, TransformerEncoder, U-Net and
 EmbeddingBag models), each through tk.bench: every stock peer and torchkiln built first, then
 timed in interleaved rounds in this one process. Prints one table per case and a summary with
@@ -124,6 +124,19 @@ def resnet_hf():
     return _hf("ResNetConfig", "ResNetForImageClassification"), torch.randn(1, 3, 224, 224)
 
 
+def efficientnet():
+    # EfficientNet-B0's width and depth: SiLU, squeeze-and-excite gates, "same" padding
+    from torchkiln.zoo import _bn_calibrated  # its init shrinks every BatchNorm's output 50x (zoo.py)
+
+    return _bn_calibrated(_hf("EfficientNetConfig", "EfficientNetModel", width_coefficient=1.0, depth_coefficient=1.0,
+                              hidden_dim=1280)), torch.randn(1, 3, 224, 224)
+
+
+def regnet():
+    # transformers' default RegNetY: grouped convolutions and squeeze-and-excite gates with ReLU
+    return _hf("RegNetConfig", "RegNetModel"), torch.randn(1, 3, 224, 224)
+
+
 def segformer():
     # Its segmentation head asks the encoder for hidden states at every call: transformers 5 collects
     # them through forward hooks, which before the thirty-sixth session kept it on the model as given.
@@ -223,7 +236,7 @@ def recommender():
 
 MODELS = {f.__name__.replace("_", "-"): f for f in (
     roberta, distilbert, albert, electra, deberta, t5_encoder, bart, opt, gpt_neox, qwen2,
-    convnext, swin, mobilenet_v2, resnet_hf, segformer, wav2vec2, lstm, gru, torch_transformer, unet, recommender)}
+    convnext, swin, mobilenet_v2, resnet_hf, efficientnet, regnet, segformer, wav2vec2, lstm, gru, torch_transformer, unet, recommender)}
 
 FLAG = 0.95  # below this ratio to the best peer, a case is flagged
 
