@@ -24,14 +24,20 @@ pytestmark = pytest.mark.skipif(onednn_conv_net.why_not() is not None,
 TOL = 1e-5
 
 
+def trained(model: nn.Module) -> nn.Module:
+    """Every BatchNorm with the statistics and affine terms a trained model has: folding must use them all."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
 def bn(c: int) -> nn.BatchNorm2d:
-    m = nn.BatchNorm2d(c)
-    with torch.no_grad():  # statistics and affine terms a trained model has: folding must use them all
-        m.running_mean.uniform_(-0.2, 0.2)
-        m.running_var.uniform_(0.5, 1.5)
-        m.weight.uniform_(0.5, 1.5)
-        m.bias.uniform_(-0.1, 0.1)
-    return m
+    return trained(nn.BatchNorm2d(c))
 
 
 class Block(nn.Module):
@@ -400,12 +406,7 @@ def test_a_transformers_resnet_is_served_whole():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(5)
     config = tf.ResNetConfig(embedding_size=16, hidden_sizes=[32, 64], depths=[1, 2], num_labels=7)
-    model = tf.ResNetForImageClassification(config).eval()
-    for m in model.modules():  # trained-looking statistics, so that folding them is checked
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
+    model = trained(tf.ResNetForImageClassification(config).eval())
     x = torch.randn(2, 3, 64, 64)
     served = OneDNNConvNet(model)
     with torch.no_grad():
@@ -486,13 +487,7 @@ def test_a_transformers_mobilenet_base_model_is_served_whole():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(8)
     config = tf.MobileNetV2Config(depth_multiplier=0.35, image_size=64)  # TF padding, ReLU6, depthwise
-    model = tf.MobileNetV2Model(config).eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.uniform_(0.5, 2.0)
+    model = trained(tf.MobileNetV2Model(config).eval())
     x = torch.randn(2, 3, 64, 64)
     served = OneDNNConvNet(model)
     with torch.no_grad():
@@ -558,12 +553,7 @@ def test_a_transformers_efficientnet_is_served_whole():
     torch.manual_seed(10)
     config = tf.EfficientNetConfig(width_coefficient=0.25, depth_coefficient=0.25, image_size=64, hidden_dim=320,
                                    num_labels=5)
-    model = tf.EfficientNetForImageClassification(config).eval()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.2, 0.2)
-                m.running_var.uniform_(0.5, 1.5)
+    model = trained(tf.EfficientNetForImageClassification(config).eval())
     x = torch.randn(2, 3, 64, 64)
     served = OneDNNConvNet(model)
     with torch.no_grad():
