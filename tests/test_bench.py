@@ -1,6 +1,7 @@
 import copy
 import importlib
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -349,3 +350,12 @@ def test_bench_times_a_causal_lms_forward():
               progress=False, graph_mode=False)
     kiln = r.best_kiln()
     assert kiln is not None and kiln.note and kiln.rel_err < 1e-4  # a served candidate, checked against eager
+
+
+def test_the_model_argument_names_every_zoo_model():
+    """commands.py writes the zoo's names out (importing zoo for --help would import torch): in step."""
+    parser = cli.build_parser()
+    bench_parser = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("bench"))
+    text = next(a.help for a in bench_parser._actions if a.dest == "model")
+    missing = [name for name in zoo.MODELS if name not in re.findall(r"[\w-]+", text)]
+    assert not missing, f"the model argument's help does not name {missing}"

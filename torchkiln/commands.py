@@ -31,8 +31,9 @@ def _dtype(text: str):
 
 
 def _add_model_args(p, default_batch: int = 1, default_dtype: str = "float32", extra: str = "") -> None:
-    p.add_argument("model", help="zoo name (resnet50, bert-base, vit-base, gpt2, llama-small, mlp) "
-                               "or package.module:callable" + extra)
+    # the zoo's names written out: importing zoo would import torch for --help
+    p.add_argument("model", help="zoo name (resnet50, resnet50-hf, mobilenet-v2, efficientnet-b0, bert-base, vit-base, "
+                               "gpt2, llama-small, mlp) or package.module:callable" + extra)
     p.add_argument("--batch", type=int, default=default_batch)
     p.add_argument("--seq", type=int, default=128, help="sequence length for text models")
     p.add_argument("--shape", help="input shape for a callable that returns a bare model, e.g. 1,3,224,224")
