@@ -480,7 +480,7 @@ class KilnModule(OwnCalls, OriginalFace):
             # Only the model as given in float32 passing (every bf16 one over the guard's tolerance: a
             # random-init MobileNetV2's plain bf16 cast is 10% off, over the 5% cap) goes on to the next
             # tier, torchkiln's float32 recipe: it served eager float32 at 0.2x IPEX before (RESULTS.md)
-            if any(self._find(n).dtype == self.kiln_recipe.dtype or self._find(n).kind != "eager" for n in passed):
+            if any(c.dtype == self.kiln_recipe.dtype or c.kind != "eager" for c in map(self._find, passed)):
                 break
         report.candidates = list(measures.values())
         replaced = self._replaced_state()

@@ -348,7 +348,7 @@ class _Walk:
             a = vars(m) if m is not None else _kw(node)
             kernel_size, stride, padding = _pair(a["kernel_size"]), _pair(a["stride"] or a["kernel_size"]), a["padding"]
             # oneDNN's average excludes the padding; with none, torch's count_include_pad is the same
-            if _pair(padding) != (0, 0) and a["count_include_pad"] or a["divisor_override"]:
+            if (_pair(padding) != (0, 0) and a["count_include_pad"]) or a["divisor_override"]:
                 raise Unsupported(f"{node.name}: average pooling counting its padding, or with a divisor override")
             return Pool(src, True, kernel_size, stride, _pair(padding), bool(a["ceil_mode"]))
         if m is not None:
@@ -551,25 +551,35 @@ class OneDNNConvNet(PerSignature):
         super().__init__(model, max_signatures)
         self.wino, self.dtype, self.notes = int(WINOGRAD if winograd is None else winograd), dtype, notes
         self.graphs: list[fx.GraphModule] = []  # each rewritten graph; the fx trace's serves every shape
-        self.rewritten: fx.GraphModule | None = None  # the first of them
         try:
             gm = trace(model)
         except Unsupported as e:
             self.why_fx = str(e)
         else:
             self.why_fx = None
-            self.traced = self._rewrite(gm)
+            self._rewrite(gm)
 
     def _rewrite(self, gm: fx.GraphModule) -> fx.GraphModule:
         gm, walk = rewrite(gm, self.wino, str(self.dtype).removeprefix("torch."))
         if self.dtype == torch.bfloat16:
             gm = _head_in_bf16(gm)
-        if self.rewritten is None:
-            self.rewritten, self.folded = gm, walk.folded
-            self.convs = sum(isinstance(s, Conv) for s in gm.conv_net.prog.steps)
-            self.front = "fx" if self.why_fx is None else "torch.export"
+        if not self.graphs:
+            self.folded = walk.folded
         self.graphs.append(gm)
         return gm
+
+    @property
+    def rewritten(self) -> fx.GraphModule | None:
+        """The first rewritten graph (None before an exported model's first call)."""
+        return self.graphs[0] if self.graphs else None
+
+    @property
+    def front(self) -> str:
+        return "fx" if self.why_fx is None else "torch.export"
+
+    @property
+    def convs(self) -> int:
+        return sum(isinstance(s, Conv) for s in self.rewritten.conv_net.prog.steps)
 
     def __call__(self, *args, **kwargs):
         out = super().__call__(*args, **kwargs)
@@ -581,7 +591,7 @@ class OneDNNConvNet(PerSignature):
 
     def _trace(self, args, kwargs):
         if self.why_fx is None:
-            gm = self.traced
+            gm = self.graphs[0]
         else:
             try:
                 gm = self._rewrite(exported(self.model, args, kwargs))
