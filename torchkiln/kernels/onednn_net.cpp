@@ -2,7 +2,8 @@
 // (ReLU, ReLU6, SiLU, sigmoid), squeeze-and-excite products, pooling, the input's reorder or quantize and
 // each output's) executed as a list of oneDNN primitives built once per input shape, from one C call
 // per forward. Its forms: int8 (u8 NHWC activations, the pt2e graph's scales), float32 (NHWC; 3x3
-// stride-1 convolutions may run as Winograd, below) and bfloat16 (NHWC bf16 activations and weights, float32 bias and accumulation; Winograd as float32).
+// stride-1 convolutions may run as Winograd, below) and bfloat16 (NHWC bf16 activations and weights,
+// float32 bias and accumulation; Winograd as float32).
 //
 // Why it is hand-written: torch's quantized conv ops run the same oneDNN kernels, but each call
 // also allocates its output, rebuilds scales and attributes and looks its primitive up: 6-20 us per
