@@ -34,11 +34,13 @@
 #include <chrono>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -77,6 +79,7 @@ struct Op {
   std::unordered_map<int, memory> args;
   memory wmem, bmem, zp_src, zp_dst, sc_src, sc_w, sc_dst;
   bool copy_other = false;  // the residual operand is read later: copy it into dst before the conv
+  bool rows = false;  // INPUT: converted by input_nhwc (few channels), not by a reorder primitive
   // Winograd forms of a float 3x3 stride-1 convolution (see the top of the file): F(4x4, 3x3) and
   // F(2x2, 3x3); `form` is the one that runs (-1: the direct primitive)
   struct Wino {
@@ -274,6 +277,62 @@ void wino_input(int mt, bool bf16, const void* x, int64_t C, int64_t H, int64_t 
       else
         input_tile<F23>((const float*)x + at, C, H, W, y0, x0, tn, t - t0, (float*)v + cb * 16);
     }
+}
+
+// The input: NCHW float32 -> the activations' NHWC (u8 codes, float32 or bf16), for an image's few
+// channels, in one pass that writes each pixel's channels together. oneDNN 3.2's reorder walks the
+// 3-wide channel dimension innermost: resnet50's 8x3x224x224 input took 529 us to quantize (IPEX's,
+// a u8 NCHW -> NHWC reorder after torch's quantize, 148 us), 307 us to float32 NHWC and 359 us to bf16,
+// where this loop takes 80, 45 and 36 us on 2 Zen 5 cores (RESULTS.md "Forty-ninth session"). Only
+// with AVX-512 (BW): compiled for AVX2, the interleaving stores kept the u8 form at 590 us, so
+// elsewhere the reorder stays. Codes are torch's quantize_per_tensor's (its vectorised path): x * (1 /
+// scale) + zero point in one FMA, saturated, to nearest even (adding and taking 1.5 * 2^23: no libm
+// call, so it vectorises). oneDNN's reorder rounds before adding the zero point, so an exact tie can
+// land one code from torch's there (tests/kernels/test_onednn_net.py).
+constexpr int64_t ROWS_MAX_C = 4;
+
+template <int C, class T_>
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+void input_rows(const float* x, T_* y, int64_t N, int64_t H, int64_t W, float inv, float zp) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < N; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const float* s = x + (b * C * H + h) * W;
+      T_* d = y + (b * H + h) * W * C;
+      for (int64_t w = 0; w < W; w++)
+        for (int c = 0; c < C; c++) {
+          const float v = s[c * H * W + w];
+          if constexpr (std::is_same_v<T_, uint8_t>) {
+            const float r = std::min(255.f, std::max(0.f, std::fma(v, inv, zp)));  // NaN -> 0
+            d[w * C + c] = (uint8_t)(int)((r + 12582912.f) - 12582912.f);
+          } else {
+            st(d[w * C + c], v);
+          }
+        }
+    }
+}
+
+template <int C>
+void input_as(dt adt, const float* x, void* y, int64_t N, int64_t H, int64_t W, float scale, int zp) {
+  if (adt == dt::u8)
+    input_rows<C>(x, (uint8_t*)y, N, H, W, 1.f / scale, (float)zp);
+  else if (adt == dt::bf16)
+    input_rows<C>(x, (uint16_t*)y, N, H, W, 0.f, 0.f);
+  else
+    input_rows<C>(x, (float*)y, N, H, W, 0.f, 0.f);
+}
+
+bool rows_here(const memory::dims& in) {
+  return in[1] <= ROWS_MAX_C && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+void input_nhwc(dt adt, const float* x, void* y, const memory::dims& d, float scale, int zp) {
+  switch (d[1]) {
+    case 1: return input_as<1>(adt, x, y, d[0], d[2], d[3], scale, zp);
+    case 2: return input_as<2>(adt, x, y, d[0], d[2], d[3], scale, zp);
+    case 3: return input_as<3>(adt, x, y, d[0], d[2], d[3], scale, zp);
+    default: return input_as<4>(adt, x, y, d[0], d[2], d[3], scale, zp);
+  }
 }
 
 // r: (A*A, tn, K) float32, tiles t0 .. t0 + tn -> y: NHWC, float32 or bf16
@@ -552,6 +611,9 @@ void run_ops(Net* n, std::vector<double>* times) {
     }
     if (op.form >= 0) {
       run_wino(n, op);
+    } else if (op.rows) {
+      const Tensor& t = n->tensors[op.dst];
+      input_nhwc(n->adt, (const float*)n->in_mem.get_data_handle(), data(n, op.dst), t.dims, t.scale, t.zp);
     } else {
       op.prim.execute(n->strm, op.args);
       n->strm.wait();  // a CPU stream runs in order anyway; the Winograd transforms read what it wrote
@@ -805,7 +867,10 @@ int kn_finalize(void* net) {
       if (op.kind == Op::POOL) build_pool(n, op);
       if (op.kind == Op::SCALE) build_scale(n, op);
       if (op.kind == Op::LINEAR) build_linear(n, op);
-      if (op.kind == Op::INPUT) build_reorder(n, op, true);
+      if (op.kind == Op::INPUT) {
+        op.rows = rows_here(n->in_dims);
+        if (!op.rows) build_reorder(n, op, true);
+      }
       if (op.kind == Op::OUTPUT) build_reorder(n, op, false);
     }
     // every memory bound once: a call only points the input and output at the caller's tensors

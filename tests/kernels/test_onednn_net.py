@@ -1,0 +1,62 @@
+"""kernels/onednn_net.cpp's input conversion (NCHW float32 -> the program's NHWC u8 codes, float32
+or bf16), checked against torch's own arithmetic: a program with no steps returns its input through
+that conversion and the output's (dequantize, or NHWC -> NCHW), so it must equal
+``torch.dequantize(torch.quantize_per_tensor(x))``, ``x`` or ``x.bfloat16().float()``.
+
+Where the CPU has AVX-512 (BW), one to four channels take the hand-written loop, which is exact
+against torch, ties included. Five channels (and every count elsewhere) take oneDNN's reorder, which
+rounds before adding the zero point: an exact tie may land one code away from torch's, never more."""
+
+import pytest
+import torch
+
+from torchkiln.hardware import detect
+from torchkiln.kernels import onednn_net as kernel
+from torchkiln.kernels.onednn_net import Net, Program
+
+pytestmark = [pytest.mark.skipif(isinstance(kernel.load(), str), reason=f"no oneDNN runner: {kernel.load()}"),
+              # the reference: torch's quantized tensors, deprecated in torch 2.13 but still its arithmetic
+              pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")]
+
+SCALE, ZP = 0.0375, 113
+
+
+def through(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    prog = Program(scale=SCALE, zp=ZP, steps=[], out=0, dtype=dtype, winograd=0)
+    return Net(kernel.load(), prog, tuple(x.shape))(x)
+
+
+def inputs(channels: int) -> torch.Tensor:
+    """Random values, values on exact rounding ties of the grid (nearest-even decides them), values
+    past both ends of the u8 range, and a non-square odd size (a tile or row offset shows)."""
+    g = torch.Generator().manual_seed(channels)
+    x = torch.randn(2, channels, 7, 37, generator=g) * 3
+    ties = (torch.randint(-130, 130, (x.numel() // 3,), generator=g).float() + 0.5) * SCALE
+    x.view(-1)[: ties.numel()] = ties
+    x.view(-1)[-4:] = torch.tensor([1e6, -1e6, 255 * SCALE, -ZP * SCALE])
+    return x
+
+
+ROWS = {"avx512bw", "avx512vl"} <= set(detect().cpu.features)  # the hand-written loop runs here
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4, 5])
+def test_the_input_quantizes_as_torch_does(channels):
+    x = inputs(channels)
+    want = torch.dequantize(torch.quantize_per_tensor(x, SCALE, ZP, torch.quint8))
+    got = through(x, "int8")
+    if ROWS and channels <= 4:
+        assert torch.equal(got, want)
+    else:  # oneDNN's reorder: at most one code off, and only on a tie
+        steps = ((got - want) / SCALE).round()
+        assert steps.abs().max() <= 1
+        off = x[steps != 0] / SCALE
+        assert torch.allclose(off - off.floor(), torch.full_like(off, 0.5), atol=1e-4)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_float_input_is_converted_exactly(channels, dtype):
+    x = inputs(channels)
+    want = x if dtype == "float32" else x.bfloat16().float()
+    assert torch.equal(through(x, dtype), want)
