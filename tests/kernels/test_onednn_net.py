@@ -1,11 +1,13 @@
 """kernels/onednn_net.cpp's input conversion (NCHW float32 -> the program's NHWC u8 codes, float32
 or bf16), checked against torch's own arithmetic: a program with no steps returns its input through
-that conversion and the output's (dequantize, or NHWC -> NCHW), so it must equal
-``torch.dequantize(torch.quantize_per_tensor(x))``, ``x`` or ``x.bfloat16().float()``.
+that conversion and the output's (dequantize, or NHWC -> NCHW), so it must equal the pt2e graph's
+quantize and dequantize (``quantized_decomposed``: the int8 net stands for that graph), ``x`` or
+``x.bfloat16().float()``.
 
-Where the CPU has AVX-512 (BW), one to four channels take the hand-written loop, which is exact
-against torch, ties included. Five channels (and every count elsewhere) take oneDNN's reorder, which
-rounds before adding the zero point: an exact tie may land one code away from torch's, never more."""
+Where the CPU has AVX-512 (BW), one to four channels take the hand-written loop, which is exact,
+rounding ties included. Five channels (and every count elsewhere) take oneDNN's reorder, which adds
+the zero point before rounding (as torch 2.13's own ``quantize_per_tensor`` does) where the graph
+rounds first: an exact tie may land one code away there, never more."""
 
 import pytest
 import torch
@@ -14,11 +16,9 @@ from torchkiln.hardware import detect
 from torchkiln.kernels import onednn_net as kernel
 from torchkiln.kernels.onednn_net import Net, Program
 
-pytestmark = [pytest.mark.skipif(isinstance(kernel.load(), str), reason=f"no oneDNN runner: {kernel.load()}"),
-              # the reference: torch's quantized tensors, deprecated in torch 2.13 but still its arithmetic
-              pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")]
+pytestmark = pytest.mark.skipif(isinstance(kernel.load(), str), reason=f"no oneDNN runner: {kernel.load()}")
 
-SCALE, ZP = 0.0375, 113
+SCALE, ZP = float(torch.tensor(0.0375)), 113  # a float32 scale, as observers make them
 
 
 def through(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -41,9 +41,12 @@ ROWS = {"avx512bw", "avx512vl"} <= set(detect().cpu.features)  # the hand-writte
 
 
 @pytest.mark.parametrize("channels", [1, 2, 3, 4, 5])
-def test_the_input_quantizes_as_torch_does(channels):
+def test_the_input_quantizes_as_the_pt2e_graph_does(channels):
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+
     x = inputs(channels)
-    want = torch.dequantize(torch.quantize_per_tensor(x, SCALE, ZP, torch.quint8))
+    codes = torch.ops.quantized_decomposed.quantize_per_tensor(x, SCALE, ZP, 0, 255, torch.uint8)
+    want = (codes.float() - ZP) * SCALE
     got = through(x, "int8")
     if ROWS and channels <= 4:
         assert torch.equal(got, want)

@@ -285,10 +285,10 @@ void wino_input(int mt, bool bf16, const void* x, int64_t C, int64_t H, int64_t 
 // a u8 NCHW -> NHWC reorder after torch's quantize, 148 us), 307 us to float32 NHWC and 359 us to bf16,
 // where this loop takes 80, 45 and 36 us on 2 Zen 5 cores (RESULTS.md "Forty-ninth session"). Only
 // with AVX-512 (BW): compiled for AVX2, the interleaving stores kept the u8 form at 590 us, so
-// elsewhere the reorder stays. Codes are torch's quantize_per_tensor's (its vectorised path): x * (1 /
-// scale) + zero point in one FMA, saturated, to nearest even (adding and taking 1.5 * 2^23: no libm
-// call, so it vectorises). oneDNN's reorder rounds before adding the zero point, so an exact tie can
-// land one code from torch's there (tests/kernels/test_onednn_net.py).
+// elsewhere the reorder stays. Codes are the pt2e graph's (quantized_decomposed.quantize_per_tensor):
+// x * (1 / scale) rounded to nearest even (adding and taking 1.5 * 2^23: no libm call, so it
+// vectorises), plus the zero point, saturated; oneDNN's reorder rounds the same way. (torch 2.13's
+// own quantize_per_tensor adds the zero point before rounding: an exact tie can land one code away.)
 constexpr int64_t ROWS_MAX_C = 4;
 
 template <int C, class T_>
@@ -303,8 +303,8 @@ void input_rows(const float* x, T_* y, int64_t N, int64_t H, int64_t W, float in
         for (int c = 0; c < C; c++) {
           const float v = s[c * H * W + w];
           if constexpr (std::is_same_v<T_, uint8_t>) {
-            const float r = std::min(255.f, std::max(0.f, std::fma(v, inv, zp)));  // NaN -> 0
-            d[w * C + c] = (uint8_t)(int)((r + 12582912.f) - 12582912.f);
+            const float r = std::min(4096.f, std::max(-4096.f, v * inv));  // NaN -> -4096 -> code 0
+            d[w * C + c] = (uint8_t)(int)std::min(255.f, std::max(0.f, (r + 12582912.f) - 12582912.f + zp));
           } else {
             st(d[w * C + c], v);
           }
@@ -315,7 +315,7 @@ void input_rows(const float* x, T_* y, int64_t N, int64_t H, int64_t W, float in
 template <int C>
 void input_as(dt adt, const float* x, void* y, int64_t N, int64_t H, int64_t W, float scale, int zp) {
   if (adt == dt::u8)
-    input_rows<C>(x, (uint8_t*)y, N, H, W, 1.f / scale, (float)zp);
+    input_rows<C>(x, (uint8_t*)y, N, H, W, (float)(1.0 / scale), (float)zp);  // as torch: 1 / scale in double
   else if (adt == dt::bf16)
     input_rows<C>(x, (uint16_t*)y, N, H, W, 0.f, 0.f);
   else
