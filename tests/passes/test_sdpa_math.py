@@ -224,9 +224,11 @@ def test_router_auto_bf16_times_the_bf16_form_and_routes_it():
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
     # compiled: inline, in bf16, no SDPA kernel: its GEMMs with only the softmax opaque, or, where the C++ op
     # builds (kernels/cpu_attention.py), the whole attention as that one op
+    # compiled before the profiled call: torch 2.6 profiles tracing's own aten::bmm inside the first call
+    compiled = torch.compile(F.scaled_dot_product_attention, fullgraph=True)
     with r:
-        out, names = profiled(lambda: torch.compile(F.scaled_dot_product_attention, fullgraph=True)(
-            q, k, v, attn_mask=mask))
+        compiled(q, k, v, attn_mask=mask)
+        out, names = profiled(lambda: compiled(q, k, v, attn_mask=mask))
     opaque = {n for n in names if "scaled_dot_product" in n or "torchkiln::" in n}
     if r.fused:
         assert opaque == {"torchkiln::attention_bf16"} and "aten::bmm" not in names
