@@ -624,6 +624,7 @@ def test_a_causal_lm_keeps_generate_and_static_schemes_say_why_not():
             tk.quantize(model, scheme, calib_data=[{"input_ids": ids}])
 
 
+@needs.pt2e
 def test_quantize_in_optimize_is_timed_against_the_float_model(monkeypatch):
     """optimize(quantize=) times the served quantized model against the float model as given and
     warns when it is slower (SLOWER moved so each branch is taken whatever this machine measures)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 from torch import nn
@@ -112,6 +113,7 @@ def test_held_out_scoring_still_smooths_a_real_outlier_channel():
     assert errors[chosen] <= 1.05 * min(errors.values()) and errors[chosen] < 0.8 * errors[None], (chosen, errors)
 
 
+@needs.pt2e
 def test_quantize_with_a_small_calibration_set_is_no_worse_than_int8_static():
     # An MLP calibrated on 32 rows: the in-sample alpha search chose 0.9/0.2/0.4 and reached 25.0 dB on new
     # rows against int8-static's 36.4 (benchmarks/RESULTS.md); scored held out it must not lose to static.
