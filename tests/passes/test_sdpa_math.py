@@ -224,7 +224,9 @@ def test_router_auto_bf16_times_the_bf16_form_and_routes_it():
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-2)
     # compiled: inline, in bf16, no SDPA kernel: its GEMMs with only the softmax opaque, or, where the C++ op
     # builds (kernels/cpu_attention.py), the whole attention as that one op
-    # compiled before the profiled call: torch 2.6 profiles tracing's own aten::bmm inside the first call
+    # compiled afresh (torch 2.6 reused an earlier test's compiled SDPA here) and before the profiled
+    # call (torch 2.6 profiles tracing's own aten::bmm inside the first call)
+    torch._dynamo.reset()
     compiled = torch.compile(F.scaled_dot_product_attention, fullgraph=True)
     with r:
         compiled(q, k, v, attn_mask=mask)
