@@ -9,6 +9,10 @@ rounding ties included. Five channels (and every count elsewhere) take oneDNN's 
 the zero point before rounding (as torch 2.13's own ``quantize_per_tensor`` does) where the graph
 rounds first: an exact tie may land one code away there, never more."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -63,3 +67,29 @@ def test_a_float_input_is_converted_exactly(channels, dtype):
     x = inputs(channels)
     want = x if dtype == "float32" else x.bfloat16().float()
     assert torch.equal(through(x, dtype), want)
+
+
+def test_a_torch_op_library_loaded_first_leaves_the_runner_working():
+    """Load order, in a fresh process: a torch op library that links pip's oneDNN and libtorch_cpu
+    (cpu_attention) first, then several nets. On torch 2.6, pip's libdnnl loaded as that library's
+    dependency bound its weak C++ symbols to the copies libtorch_cpu exports from torch's own oneDNN,
+    and every net after the first failed to build ("could not create a primitive") or corrupted the
+    heap; kernels/onednn_net.py now loads libdnnl on its own first."""
+    from torchkiln.kernels import cpu_attention
+
+    if cpu_attention.load() is not None:
+        pytest.skip(f"no attention op: {cpu_attention.load()}")
+    code = textwrap.dedent("""
+        import torch
+        from torchkiln.kernels import cpu_attention, onednn_net as k
+        from torchkiln.kernels.onednn_net import Net, Program
+        assert cpu_attention.load() is None
+        for c in (1, 3, 5):
+            for dtype in ("float32", "bfloat16"):
+                x = torch.randn(2, c, 7, 37)
+                y = Net(k.load(), Program(steps=[], out=0, dtype=dtype, winograd=0), tuple(x.shape))(x)
+                assert torch.equal(y, x if dtype == "float32" else x.bfloat16().float()), (c, dtype)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -61,6 +61,16 @@ def _why_not_here() -> str | None:
     return found if isinstance(found, str) else None
 
 
+@functools.cache
+def _preload(lib_dir: Path) -> None:
+    """pip's libdnnl, loaded on its own before any library of ours that links it. Loaded instead as a
+    dependency of a torch op library (cpu_attention, cpu_qlinear link libtorch_cpu), its weak C++
+    symbols bind to the copies torch 2.6's libtorch_cpu exports from torch's own oneDNN
+    (``std::vector<cpu_isa_t>``, the primitive cache's result type): later primitives then failed to
+    build or corrupted the heap (RESULTS.md, "Forty-ninth session"; torch 2.13 exports fewer of them)."""
+    ctypes.CDLL(str(lib_dir / "libdnnl.so.3"))
+
+
 def _built(source: Path, libs: list[str], opener) -> object | str:
     """``opener(path)`` of ``source`` compiled against this oneDNN (built if needed), or why not, in words.
     pip's oneDNN headers come first: torch ships headers of its own (private) oneDNN as well."""
@@ -70,6 +80,7 @@ def _built(source: Path, libs: list[str], opener) -> object | str:
     lib_dir, inc = find()
     with _lock:
         try:
+            _preload(lib_dir)
             return opener(build.build(source, [f"-I{inc}"], [*libs, f"-L{lib_dir}", "-ldnnl", f"-Wl,-rpath,{lib_dir}"]))
         except (OSError, RuntimeError) as e:
             return f"build failed: {e}"
