@@ -41,15 +41,31 @@ def assert_matches_torchs_modules(q, x, tol=0.01, modules=True):
 def test_every_pattern_matches_torchs_quantized_modules():
     model, q, _ = quantized()
     served = OneDNNNet(q)
-    # one Runner call stands for the whole int8 region; the float-output head stays a module call
+    # one Runner call stands for the whole int8 region and the classifier head after it
     code = served.rewritten.code
-    assert "int8_net" in code and "qconv" not in code and "max_pool2d" not in code
+    assert "int8_net" in code and "qconv" not in code and "max_pool2d" not in code and "qlinear" not in code
     x = torch.randn(2, 3, 32, 32)
     ref, got = assert_matches_torchs_modules(q, x)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     with torch.no_grad():  # and one quantization error from fp32, as the modules are
         fp32 = model(x)
     assert float((got - fp32).norm() / fp32.norm()) < 0.1
+
+
+def test_the_classifier_head_runs_in_the_program_on_the_calibrated_grid():
+    """The head (lower()'s DynamicLinear, which re-quantizes its input per call) as the program's int8
+    matmul on the region's own codes: the pt2e graph's arithmetic, so at least as close to it as the
+    head after the program, and the head's module gone; head=False keeps it a module call."""
+    _, q, _ = quantized()
+    x = torch.randn(4, 3, 32, 32)
+    inside, after = OneDNNNet(q), OneDNNNet(q, head=False)
+    assert "qlinear" in after.rewritten.code and "qlinear" not in inside.rewritten.code
+    assert not [n for n, _ in inside.rewritten.named_children() if n.startswith("qlinear")]
+    with torch.no_grad():
+        fake, a, b = q(x), inside(x), after(x)
+    err_inside, err_after = (float((y - fake).norm() / fake.norm()) for y in (a, b))
+    assert a.shape == fake.shape == (4, 10) and a.dtype == torch.float32
+    assert err_inside < 0.01 and err_inside <= err_after * 1.05, (err_inside, err_after)
 
 
 def with_bn_statistics(model: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@
 // convolution takes the form that finalize timed fastest inside the net, the direct kernel included.
 //
 // The C ABI (ctypes; no torch headers, so it builds in about a second): kn_new(dtype, winograd),
-// then kn_input / kn_conv / kn_pool / kn_linear / kn_scale / kn_output in graph order (each
+// then kn_input / kn_conv / kn_pool / kn_linear / kn_qlinear / kn_scale / kn_output in graph order (each
 // returns a tensor id, or -1 with kn_error set), kn_finalize (primitives, buffers, the Winograd
 // choice), kn_run per call. A net is not reentrant: callers serialise.
 #include <oneapi/dnnl/dnnl.hpp>
@@ -55,6 +55,7 @@ struct Tensor {  // an activation, NHWC: u8 with its quantization, or f32 / bf16
   float scale;
   int zp;
   int buffer = -1;  // index into Net::buffers, set by finalize
+  bool f32 = false;  // float32 in an int8 net: its classifier head's output
 };
 
 struct Op {
@@ -114,7 +115,7 @@ bool floating(const Net* n) { return n->adt != dt::u8; }
 // An activation's memory: NHWC in every form. For floats it is the layout oneDNN's brgconv kernels
 // pick for themselves ("any"); given nChw16c instead, oneDNN 3.2 runs its older jit kernels
 // (resnet50's 7x7x512 3x3 convolution: 402 us NHWC, 520 us nChw16c on 2 Zen 5 cores).
-memory::desc act(const Net* n, const Tensor& t) { return memory::desc(t.dims, n->adt, tag::nhwc); }
+memory::desc act(const Net* n, const Tensor& t) { return memory::desc(t.dims, t.f32 ? dt::f32 : n->adt, tag::nhwc); }
 void* data(Net* n, int t) { return n->buffers[n->tensors[t].buffer].data(); }
 
 // `plain` (weights in torch's order, at `src`) reordered once into a primitive's own layout `want`
@@ -503,7 +504,37 @@ void build_conv(Net* n, Op& op) {
 }
 
 // a float net's classifier head: (N, C, 1, 1) -> (N, O, 1, 1), whose NHWC bytes are (N, O)'s
+// an int8 net's head: u8 (N, C) codes times s8 (C, K) with per-column scales, float32 out, as IPEX
+// runs resnet50's fc; a matmul, as oneDNN 3.2's inner product takes no source zero point
+void build_qlinear(Net* n, Op& op) {
+  const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
+  const memory::dim N = s.dims[0], C = s.dims[1], K = d.dims[1];
+  primitive_attr attr;
+  attr.set_scratchpad_mode(scratchpad_mode::user);
+  attr.set_scales_mask(DNNL_ARG_SRC, 0);
+  attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+  if (s.zp) attr.set_zero_points_mask(DNNL_ARG_SRC, 0);
+  auto bmd = op.has_bias ? memory::desc({1, K}, dt::f32, tag::ab) : memory::desc();
+  auto pd = matmul::primitive_desc(n->eng, memory::desc({N, C}, dt::u8, tag::ab), memory::desc({C, K}, dt::s8, tag::any),
+                                   bmd, memory::desc({N, K}, dt::f32, tag::ab), attr);
+  op.wmem = packed(n, {{C, K}, dt::s8, tag::ba}, op.weight.data(), pd.weights_desc());
+  op.weight = {};
+  op.sscale = {s.scale};
+  op.sc_src = scalar_f32(n->eng, op.sscale);
+  op.sc_w = memory({{K}, dt::f32, tag::x}, n->eng, op.wscale.data());
+  op.args = {{DNNL_ARG_WEIGHTS, op.wmem}, {DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, op.sc_src},
+             {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, op.sc_w}};
+  if (s.zp) op.args[DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC] = op.zp_src = scalar_s32(n->eng, s.zp);
+  if (op.has_bias) {
+    op.bmem = memory(bmd, n->eng, op.bias.data());
+    op.args[DNNL_ARG_BIAS] = op.bmem;
+  }
+  n->scratch.resize(std::max<size_t>(n->scratch.size(), pd.scratchpad_desc().get_size()));
+  op.prim = matmul(pd);
+}
+
 void build_linear(Net* n, Op& op) {
+  if (!floating(n)) return build_qlinear(n, op);
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
   primitive_attr attr;
   attr.set_scratchpad_mode(scratchpad_mode::user);
@@ -556,6 +587,10 @@ void build_reorder(Net* n, Op& op, bool quantize) {
   memory::desc plain = (!quantize && op.flat) ? memory::desc({t.dims[0], t.dims[1] * t.dims[2] * t.dims[3]},
                                                                  dt::f32, tag::ab)
                                                   : memory::desc(t.dims, dt::f32, tag::nchw);
+  if (!quantize && t.f32) {  // the head's float32 output: a copy into the caller's tensor
+    op.prim = reorder(reorder::primitive_desc(n->eng, op.flat ? plain : act(n, t), n->eng, plain));
+    return;
+  }
   memory::desc q = act(n, t);
   if (!quantize && op.flat) q = memory::desc(plain.get_dims(), dt::u8, tag::ab);  // H = W = 1 or C-major
   primitive_attr attr;
@@ -713,6 +748,7 @@ int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     const Tensor s = n->tensors.at(src);
+    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
     Op op;
     op.kind = Op::CONV;
     op.src = src;
@@ -752,6 +788,7 @@ int kn_pool(void* net, int src, int avg, const int64_t* kernel, const int64_t* s
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     const Tensor s = n->tensors.at(src);
+    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
     Op op;
     op.kind = Op::POOL;
     op.src = src;
@@ -774,6 +811,7 @@ int kn_linear(void* net, int src, int64_t out_f, const float* weight, const floa
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     const Tensor s = n->tensors.at(src);
+    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
     if (!floating(n) || s.dims[2] * s.dims[3] != 1) throw std::runtime_error("a Linear needs a float net's 1 x 1 value");
     Op op;
     op.kind = Op::LINEAR;
@@ -787,11 +825,35 @@ int kn_linear(void* net, int src, int64_t out_f, const float* weight, const floa
   });
 }
 
+// an int8 net's classifier head on a (N, C, 1, 1) value: int8 codes (out_f, C) with per-row scales,
+// float32 bias; its output is float32 (N, out_f, 1, 1), for kn_output only
+int kn_qlinear(void* net, int src, int64_t out_f, const int8_t* weight, const float* wscale, const float* bias) {
+  Net* n = static_cast<Net*>(net);
+  return guarded(n, [&] {
+    const Tensor s = n->tensors.at(src);
+    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+    if (floating(n) || s.f32 || s.dims[2] * s.dims[3] != 1)
+      throw std::runtime_error("an int8 Linear needs an int8 net's 1 x 1 value");
+    Op op;
+    op.kind = Op::LINEAR;
+    op.src = src;
+    op.weight.assign(weight, weight + out_f * s.dims[1]);
+    op.wscale.assign(wscale, wscale + out_f);
+    op.has_bias = bias != nullptr;
+    if (bias) op.bias.assign(bias, bias + out_f);
+    op.dst = add_tensor(n, {s.dims[0], out_f, 1, 1}, 1.f, 0);
+    n->tensors[op.dst].f32 = true;
+    n->ops.push_back(std::move(op));
+    return n->ops.back().dst;
+  });
+}
+
 // a float net's x * s, s (N, C, 1, 1) broadcast over x's (N, C, H, W)
 int kn_scale(void* net, int src, int by) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
     const Tensor s = n->tensors.at(src), f = n->tensors.at(by);
+    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
     if (!floating(n) || f.dims != memory::dims{s.dims[0], s.dims[1], 1, 1})
       throw std::runtime_error("a scale needs a float net's (N, C, 1, 1) factor");
     Op op;
@@ -892,7 +954,8 @@ int kn_finalize(void* net) {
       } else if (op.kind == Op::OUTPUT) {
         Tensor& x = n->tensors[op.src];
         memory::dims flat{x.dims[0], numel(x.dims) / x.dims[0]};
-        op.args[DNNL_ARG_FROM] = op.flat ? memory({flat, dt::u8, tag::ab}, n->eng, n->buffers[x.buffer].data())
+        op.args[DNNL_ARG_FROM] = op.flat ? memory({flat, x.f32 ? dt::f32 : dt::u8, tag::ab}, n->eng,
+                                                  n->buffers[x.buffer].data())
                                          : mem(op.src);
         n->outs.push_back(op.flat ? memory({flat, dt::f32, tag::ab}, n->eng, nullptr)
                                   : memory({x.dims, dt::f32, tag::nchw}, n->eng, nullptr));
@@ -900,7 +963,7 @@ int kn_finalize(void* net) {
       } else if (op.kind == Op::LINEAR) {  // (N, C, 1, 1) NHWC is (N, C)
         auto flat = [&](int t) {
           Tensor& x = n->tensors[t];
-          return memory({{x.dims[0], x.dims[1]}, n->adt, tag::ab}, n->eng, n->buffers[x.buffer].data());
+          return memory({{x.dims[0], x.dims[1]}, x.f32 ? dt::f32 : n->adt, tag::ab}, n->eng, n->buffers[x.buffer].data());
         };
         op.args[DNNL_ARG_SRC] = flat(op.src);
         op.args[DNNL_ARG_DST] = flat(op.dst);

@@ -104,6 +104,7 @@ def load() -> ctypes.CDLL | str:
         "kn_forms": (c_int, [vp, ctypes.POINTER(c_int), c_int]),
         "kn_times": (c_int, [vp, c_int, ctypes.POINTER(ctypes.c_double), c_int]),
         "kn_linear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp]), "kn_scale": (c_int, [vp, c_int, c_int]),
+        "kn_qlinear": (c_int, [vp, c_int, ctypes.c_int64, vp, vp, vp]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -171,11 +172,13 @@ class Scale:
 
 @dataclass
 class Linear:
-    """A float program's classifier head: flatten then Linear, on a (N, C, 1, 1) value."""
+    """A classifier head: flatten then Linear, on a (N, C, 1, 1) value. In an int8 program the weight
+    is int8 codes with ``wscale`` per output feature, and the output float32 (the program's last)."""
 
     src: int
-    weight: torch.Tensor  # (out_features, C) float32
+    weight: torch.Tensor  # (out_features, C): float32, or int8 codes in an int8 program
     bias: torch.Tensor | None
+    wscale: torch.Tensor | None = None  # int8: float32, one per output feature
 
 
 @dataclass
@@ -251,7 +254,11 @@ class Net:
                 if hh * ww != 1:
                     raise Unsupported(f"a Linear on a flattened value of spatial size {(hh, ww)} (1 x 1 only)")
                 bias = None if s.bias is None else s.bias.data_ptr()
-                ids.append(self._check(lib.kn_linear(h, ids[s.src], s.weight.shape[0], s.weight.data_ptr(), bias)))
+                if s.wscale is None:
+                    ids.append(self._check(lib.kn_linear(h, ids[s.src], s.weight.shape[0], s.weight.data_ptr(), bias)))
+                else:
+                    ids.append(self._check(lib.kn_qlinear(h, ids[s.src], s.weight.shape[0], s.weight.data_ptr(),
+                                                          s.wscale.data_ptr(), bias)))
                 out = (n, s.weight.shape[0], 1, 1)
             else:
                 if s.kernel is None:

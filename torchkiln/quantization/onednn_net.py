@@ -13,8 +13,10 @@ What it takes: the lowered graph's int8 region, from the input's ``quantize_per_
 ``dequantize``, made of quantized Conv2d / ConvReLU2d / ConvAdd2d / ConvAddReLU2d modules, max pooling,
 adaptive average pooling to a divisor of the size, and a flatten before the dequantize. Anything
 else in that region (another quantize, a float op between int8 ones, a second output) refuses the
-model with the reason; what follows the dequantize (a classifier head) runs as the lowered graph has
-it. One program per input shape (MAX_SIGNATURES, as the other traced candidates).
+model with the reason. A classifier head right after the flatten + dequantize (lower()'s DynamicLinear)
+joins the program as an int8 matmul on the region's own codes (``_head_step`` says why); anything else
+after the dequantize runs as the lowered graph has it. One program per input shape (MAX_SIGNATURES, as
+the other traced candidates).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import torch
 from torch import fx, nn
 
 from ..kernels import onednn_net as kernel
-from ..kernels.onednn_net import Conv, Net, Pool, Program, Runner
+from ..kernels.onednn_net import Conv, Linear, Net, Pool, Program, Runner
 from ..passes.onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
+from .onednn_int8 import DynamicLinear, lower, onednn_engine
 from .onednn_int8 import available as _int8_available
-from .onednn_int8 import lower, onednn_engine
 
 aten = torch.ops.aten
 
@@ -83,9 +85,32 @@ def _pool_step(node: fx.Node, src: int) -> Pool:
     return Pool(src, False, kernel_size, stride, padding, ceil)
 
 
-def program(gm: fx.GraphModule) -> tuple[Program, fx.Node, fx.Node, list[fx.Node]]:
-    """The int8 region of a lowered graph: (its program, the float node it quantizes, its dequantize,
-    its nodes). Raises Unsupported, naming the node, where the region holds anything else."""
+def _head_step(gm: fx.GraphModule, deq: fx.Node, src: int) -> tuple[Linear, fx.Node] | None:
+    """The classifier head right after the region's flatten + dequantize (lower()'s DynamicLinear), as
+    the program's int8 Linear on the region's own uint8 codes, or None. Why: inside the program it is
+    one oneDNN matmul on the calibrated grid (IPEX runs resnet50's fc so), where the module after the
+    program re-quantizes its input per call and costs a torch op call (36-43 us at resnet50 bs1)."""
+    users = list(deq.users)
+    if len(users) != 1 or users[0].op != "call_module" or users[0].args != (deq,) or users[0].kwargs:
+        return None
+    m = gm.get_submodule(users[0].target)
+    if not isinstance(m, DynamicLinear):
+        return None
+    w, bias = m.params._weight_bias()
+    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        scales, zps = w.q_per_channel_scales(), w.q_per_channel_zero_points()
+    else:
+        scales, zps = torch.full((w.shape[0],), w.q_scale()), torch.tensor([w.q_zero_point()])
+    if bool(zps.any()):
+        return None
+    return Linear(src, w.int_repr().contiguous(), None if bias is None else bias.detach().float().contiguous(),
+                  scales.float().contiguous()), users[0]
+
+
+def program(gm: fx.GraphModule, head: bool = True) -> tuple[Program, fx.Node, fx.Node, list[fx.Node]]:
+    """The int8 region of a lowered graph: (its program, the float node it quantizes, the node whose
+    value the program gives (the dequantize, or with ``head`` the classifier head after it), its
+    nodes). Raises Unsupported, naming the node, where the region holds anything else."""
     q_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.quantize_per_tensor]
     if len(q_nodes) != 1:
         raise Unsupported(f"{len(q_nodes)} input quantizes (one int8 region only)")
@@ -131,18 +156,26 @@ def program(gm: fx.GraphModule) -> tuple[Program, fx.Node, fx.Node, list[fx.Node
     if deq is None:
         raise Unsupported("the int8 region has no dequantize")
     prog.out = slot[deq.args[0]]
-    return prog, x, deq, region
+    taken = _head_step(gm, deq, prog.out) if head and prog.flat else None
+    if taken is None:
+        return prog, x, deq, region
+    step, last = taken
+    prog.steps.append(step)
+    prog.out = len(prog.steps)
+    return prog, x, last, [*region, last]
 
 
-def rewrite(gm: fx.GraphModule) -> fx.GraphModule:
-    """The lowered graph ``gm`` (changed in place) with its int8 region replaced by one Runner call."""
-    prog, x, deq, region = program(gm)
+def rewrite(gm: fx.GraphModule, head: bool = True) -> fx.GraphModule:
+    """The lowered graph ``gm`` (changed in place) with its int8 region (and, with ``head``, the
+    classifier head after it) replaced by one Runner call."""
+    prog, x, last, region = program(gm, head)
     gm.add_submodule("int8_net", Runner(prog))
-    with gm.graph.inserting_before(deq):
+    with gm.graph.inserting_before(last):
         call = gm.graph.call_module("int8_net", (x,))
-    deq.replace_all_uses_with(call)
+    last.replace_all_uses_with(call)
     for node in reversed(region):
         gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()  # the packed quantized modules the program now holds
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -151,7 +184,7 @@ def rewrite(gm: fx.GraphModule) -> fx.GraphModule:
 class OneDNNNet(PerSignature):
     """Calls a tk.quantize'd (pt2e) CNN with its int8 trunk as one oneDNN program per input shape."""
 
-    def __init__(self, qmodel: nn.Module, max_signatures: int = MAX_SIGNATURES):
+    def __init__(self, qmodel: nn.Module, max_signatures: int = MAX_SIGNATURES, head: bool = True):
         why = why_not()
         if why:
             raise Unsupported(why)
@@ -159,7 +192,7 @@ class OneDNNNet(PerSignature):
         if not isinstance(gm, fx.GraphModule):
             raise Unsupported(f"{type(qmodel).__name__} is not a pt2e-quantized model (tk.quantize's graph)")
         super().__init__(qmodel, max_signatures)
-        self.rewritten = rewrite(lower(gm))
+        self.rewritten = rewrite(lower(gm), head)
 
     def _scope(self):
         return onednn_engine()  # the head's quantized linear was packed for it
