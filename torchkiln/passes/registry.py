@@ -161,6 +161,7 @@ def _load() -> None:
         fold_conv_bn,
         fold_linear_bn,
         gelu_epilogue,
+        global_avg_pool,
         hash_dropout,
         int8_linear,
         onednn_linear,

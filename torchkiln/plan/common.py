@@ -7,6 +7,7 @@ from torch import nn
 
 from ..passes import registry
 from ..passes.channels_last import memory_format_for
+from ..passes.global_avg_pool import has_avg_pool
 
 
 def cast_pass(dtype: torch.dtype, islands: bool = True):
@@ -21,6 +22,8 @@ def base_passes(dtype: torch.dtype, model: nn.Module, channels_last: bool = True
     """The eager passes that pay everywhere (as configs), and the memory format: channels_last for
     2-D/3-D conv nets (a Conv1d-only model such as whisper's or wav2vec2's audio stem has no such layout)."""
     passes = [registry.make(n) for n in ("replace_dropout", "fold_conv_bn", "fold_linear_bn")]
+    if has_avg_pool(model):  # a whole-input window compiles to a reduction over the window (global_avg_pool.py)
+        passes.append(registry.make("global_avg_pool"))
     if dtype != torch.float32:
         passes.append(cast_pass(dtype, islands))
     if channels_last and memory_format_for(model) is not None:

@@ -18,6 +18,7 @@ from .. import inputs
 from ..modelutil import first_line
 from .concat_linear_fx import concat_sibling_linears
 from .config import QuantConfig
+from .conv_padding import numeric_conv_padding
 from .schemes import _quiet_torchao
 
 
@@ -135,6 +136,7 @@ def prepare(model: nn.Module, config: QuantConfig, sample: inputs.Args,
     """``merge_linears=False``: as before the merge existed (files saved then hold one observer per linear)."""
     _, prepare_pt2e, _ = _pt2e()
     graph, dynamic = export(model, sample)
+    numeric_conv_padding(graph)
     if merge_linears:
         concat_sibling_linears(graph, config.keep)
     calls = split_repeated_calls(graph)
