@@ -67,7 +67,9 @@ def rewrite(graph: torch.fx.Graph) -> int:
 
 
 def has_avg_pool(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.AvgPool2d) for m in model.modules())
+    """An AvgPool2d module, or an avg_pool2d call in a graph module (a pt2e-quantized model's)."""
+    return any(isinstance(m, nn.AvgPool2d) or (isinstance(m, torch.fx.GraphModule) and any(
+        n.op == "call_function" and n.target in _AVG for n in m.graph.nodes)) for m in model.modules())
 
 
 class GlobalAvgPoolPass(CountingPass):
