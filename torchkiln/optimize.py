@@ -1105,6 +1105,7 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
     quant = getattr(model, "kiln_quant", None)
     upcast = None
     if quant is not None:
+        from .passes.global_avg_pool import has_avg_pool
         from .quantization.plan import has_conv as quant_has_conv
         from .quantization.plan import linear_shapes
         from .quantization.plan import plan as plan_quantized
@@ -1113,7 +1114,7 @@ def optimize(model, dtype=None, optimizer=None, level: str = "O1", inplace: bool
             warn_once("quant-dtype", f"torchkiln: dtype={dtype_name(compute)} is ignored for a quantized model; "
                       "it is served at the precision it was quantized in (cast the model before tk.quantize)")
         recipe = serving_knobs(plan_quantized(quant, str(target), level, hw.cpu.bf16_native, quant_has_conv(model),
-                                              linear_shapes(model)), knobs)
+                                              linear_shapes(model), has_avg_pool(model)), knobs)
         unused = sorted(k for k, v in knobs.items() if v is not None and k not in SERVING_KNOBS + INTEL_ONLY)
         if unused:
             warn_once(f"quant-knobs:{unused}", f"torchkiln: {', '.join(unused)} ignored for a quantized model: its "
