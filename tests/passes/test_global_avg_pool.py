@@ -6,6 +6,7 @@ an AvgPool2d."""
 import warnings
 
 import needs
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,3 +94,13 @@ def test_a_quantized_model_with_the_pool_gets_it_in_its_compiled_recipe():
             assert ("global_avg_pool" in [p.name for p in served.kiln_recipe.passes]) is want
             with torch.no_grad():
                 torch.testing.assert_close(served(x), q(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+def test_the_mean_matches_eager_on_cuda():
+    model, x = Pooled(nn.AvgPool2d(1280, ceil_mode=True)).eval().cuda(), torch.randn(2, 3, 7, 7, device="cuda")
+    with torch.no_grad():
+        want = model(x)
+    got, fused = compiled(model, x)
+    assert fused == 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
