@@ -156,6 +156,13 @@ int add_tensor(Net* n, memory::dims dims, float scale, int zp) {
   return (int)n->tensors.size() - 1;
 }
 
+// a step's input; an int8 net's float32 head output is for kn_output only
+Tensor operand(Net* n, int id) {
+  const Tensor& t = n->tensors.at(id);
+  if (t.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+  return t;
+}
+
 // ---- Winograd F(m x m, 3x3), Lavin & Gray's transforms: (m + 2)^2 inputs give m x m outputs ----
 struct F43 {
   static constexpr int M = 4, A = 6;
@@ -503,7 +510,6 @@ void build_conv(Net* n, Op& op) {
   op.prim = convolution_forward(pd);
 }
 
-// a float net's classifier head: (N, C, 1, 1) -> (N, O, 1, 1), whose NHWC bytes are (N, O)'s
 // an int8 net's head: u8 (N, C) codes times s8 (C, K) with per-column scales, float32 out, as IPEX
 // runs resnet50's fc; a matmul, as oneDNN 3.2's inner product takes no source zero point
 void build_qlinear(Net* n, Op& op) {
@@ -533,6 +539,7 @@ void build_qlinear(Net* n, Op& op) {
   op.prim = matmul(pd);
 }
 
+// a float net's classifier head: (N, C, 1, 1) -> (N, O, 1, 1), whose NHWC bytes are (N, O)'s
 void build_linear(Net* n, Op& op) {
   if (!floating(n)) return build_qlinear(n, op);
   const Tensor &s = n->tensors[op.src], &d = n->tensors[op.dst];
@@ -747,8 +754,7 @@ int kn_conv(void* net, int src, int other, int64_t out_c, int64_t kh, int64_t kw
             const float* wscale, const float* bias, float scale, int zp, int act, float lo, float hi) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
-    const Tensor s = n->tensors.at(src);
-    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+    const Tensor s = operand(n, src);
     Op op;
     op.kind = Op::CONV;
     op.src = src;
@@ -787,8 +793,7 @@ int kn_pool(void* net, int src, int avg, const int64_t* kernel, const int64_t* s
             int64_t out_h, int64_t out_w) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
-    const Tensor s = n->tensors.at(src);
-    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+    const Tensor s = operand(n, src);
     Op op;
     op.kind = Op::POOL;
     op.src = src;
@@ -810,8 +815,7 @@ int kn_pool(void* net, int src, int avg, const int64_t* kernel, const int64_t* s
 int kn_linear(void* net, int src, int64_t out_f, const float* weight, const float* bias) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
-    const Tensor s = n->tensors.at(src);
-    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+    const Tensor s = operand(n, src);
     if (!floating(n) || s.dims[2] * s.dims[3] != 1) throw std::runtime_error("a Linear needs a float net's 1 x 1 value");
     Op op;
     op.kind = Op::LINEAR;
@@ -830,9 +834,8 @@ int kn_linear(void* net, int src, int64_t out_f, const float* weight, const floa
 int kn_qlinear(void* net, int src, int64_t out_f, const int8_t* weight, const float* wscale, const float* bias) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
-    const Tensor s = n->tensors.at(src);
-    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
-    if (floating(n) || s.f32 || s.dims[2] * s.dims[3] != 1)
+    const Tensor s = operand(n, src);
+    if (floating(n) || s.dims[2] * s.dims[3] != 1)
       throw std::runtime_error("an int8 Linear needs an int8 net's 1 x 1 value");
     Op op;
     op.kind = Op::LINEAR;
@@ -852,8 +855,7 @@ int kn_qlinear(void* net, int src, int64_t out_f, const int8_t* weight, const fl
 int kn_scale(void* net, int src, int by) {
   Net* n = static_cast<Net*>(net);
   return guarded(n, [&] {
-    const Tensor s = n->tensors.at(src), f = n->tensors.at(by);
-    if (s.f32) throw std::runtime_error("only kn_output reads an int8 net's float32 head output");
+    const Tensor s = operand(n, src), f = n->tensors.at(by);
     if (!floating(n) || f.dims != memory::dims{s.dims[0], s.dims[1], 1, 1})
       throw std::runtime_error("a scale needs a float net's (N, C, 1, 1) factor");
     Op op;

@@ -17,17 +17,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .fxargs import call_args, pair
 from .registry import CountingPass, register_graph_only
 
 _AVG = (torch._C._nn.avg_pool2d, torch.ops.aten.avg_pool2d.default)
-_NAMES = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-_DEFAULTS = {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None}
-
-
-def _pair(v) -> tuple:
-    if isinstance(v, (list, tuple)):
-        return tuple(v) * 2 if len(v) == 1 else tuple(v)
-    return (v, v)
 
 
 def _shape(node) -> tuple | None:
@@ -38,13 +31,13 @@ def _shape(node) -> tuple | None:
 def _whole(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.target not in _AVG:
         return False
-    a = {**_DEFAULTS, **dict(zip(_NAMES, node.args, strict=False)), **node.kwargs}
+    a = call_args(node, torch.ops.aten.avg_pool2d.default)  # the builtin has no Python signature
     shape, out = _shape(a["input"]), _shape(node)
     if shape is None or out is None or len(shape) < 3 or out[-2:] != (1, 1) or a["divisor_override"] is not None:
         return False
-    if _pair(a["padding"]) != (0, 0) or not all(isinstance(s, int) for s in shape[-2:]):
+    if pair(a["padding"]) != (0, 0) or not all(isinstance(s, int) for s in shape[-2:]):
         return False
-    return all(k >= s for k, s in zip(_pair(a["kernel_size"]), shape[-2:], strict=True))
+    return all(k >= s for k, s in zip(pair(a["kernel_size"]), shape[-2:], strict=True))
 
 
 def rewrite(graph: torch.fx.Graph) -> int:
@@ -53,7 +46,7 @@ def rewrite(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if not _whole(node):
             continue
-        x = node.args[0] if node.args else node.kwargs["input"]
+        x = call_args(node, torch.ops.aten.avg_pool2d.default)["input"]
         with graph.inserting_before(node):
             if node.target is torch.ops.aten.avg_pool2d.default:
                 new = graph.call_function(torch.ops.aten.mean.dim, (x, [-2, -1], True))

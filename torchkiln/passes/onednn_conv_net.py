@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import operator
 
 import torch
@@ -40,6 +39,7 @@ from torch import fx, nn
 from .. import inputs
 from ..kernels import onednn_net as kernel
 from ..kernels.onednn_net import Conv, Linear, Pool, Program, Runner, Scale
+from .fxargs import call_args, pair
 from .onednn_graph import MAX_SIGNATURES, PerSignature, Unsupported, _Bound, tensor_leaves
 
 # Whether 3x3 convolutions may run as Winograd (each still only where it timed faster). False keeps
@@ -67,35 +67,11 @@ def why_not() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def _pair(v) -> tuple:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
-
-
 def _is(node: fx.Node, gm: fx.GraphModule, *types) -> nn.Module | None:
     if node.op != "call_module":
         return None
     m = gm.get_submodule(node.target)
     return m if type(m) in types else None
-
-
-def _kw(node: fx.Node) -> dict:
-    """A call's arguments by name, defaults filled in (an ATen op's first, ``self``, as ``input``).
-    Bound here: torch 2.6's ``Node.normalized_arguments`` leaves some positional ones out."""
-    fn = node.target
-    if isinstance(fn, torch._ops.OpOverload):
-        out = {}
-        for i, a in enumerate(fn._schema.arguments):
-            name = "input" if a.name == "self" else a.name
-            if i < len(node.args):
-                out[name] = node.args[i]
-            elif a.name in node.kwargs:
-                out[name] = node.kwargs[a.name]
-            elif a.has_default_value():
-                out[name] = a.default_value
-        return out
-    bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def _tensor(gm: fx.GraphModule, node: fx.Node, value, what: str) -> torch.Tensor | None:
@@ -111,7 +87,7 @@ def _global_mean(node: fx.Node, gm: fx.GraphModule) -> bool:
     """A mean over H and W keeping them (ATen's decomposed adaptive_avg_pool2d(x, 1))."""
     if node.op != "call_function" or node.target is not aten.mean.dim:
         return False
-    a = _kw(node)
+    a = call_args(node)
     return a["keepdim"] and a["dtype"] is None and sorted(d % 4 for d in a["dim"]) == [2, 3]
 
 
@@ -126,7 +102,7 @@ def _clip_range(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
         return 0.0, 6.0
     if node.target not in _CLIPS:
         return None
-    a = _kw(node)
+    a = call_args(node)
     lo, hi = a.get("min_val", a.get("min")), a.get("max_val", a.get("max"))
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi))
     return (float(lo), float(hi)) if numbers and lo <= hi else None
@@ -141,7 +117,7 @@ def _pad_amounts(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
             return None
         pad, mode, value = m.padding, "constant", 0
     elif node.op == "call_function" and node.target in _PADS:
-        a = _kw(node)
+        a = call_args(node)
         pad, mode, value = a["pad"], a.get("mode", "constant"), a.get("value")
     else:
         return None
@@ -293,7 +269,7 @@ class _Walk:
             self.add_step(node, self._pool(node, self.slot[args[0]]))
         else:  # alias: the value passes through unchanged
             m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
-            if (m is not None and m.training) or (node.target is aten.dropout.default and _kw(node)["train"]):
+            if (m is not None and m.training) or (node.target is aten.dropout.default and call_args(node)["train"]):
                 raise Unsupported(f"{node.name}: a Dropout in training mode")
             s = self.slot[args[0]]
             if self.tail[s] is args[0] and len(args[0].users) == 1:
@@ -310,19 +286,19 @@ class _Walk:
                 raise Unsupported(f"{node.name}: Conv2d with padding_mode={m.padding_mode!r} (zero padding only)")
             if len(node.args) != 1 or node.kwargs:
                 raise Unsupported(f"{node.name}: a Conv2d called with more than its input")
-            weight, bias, stride, padding, dilation, groups = (m.weight, m.bias, _pair(m.stride), m.padding,
-                                                               _pair(m.dilation), m.groups)
+            weight, bias, stride, padding, dilation, groups = (m.weight, m.bias, pair(m.stride), m.padding,
+                                                               pair(m.dilation), m.groups)
         else:
-            a = _kw(node)
+            a = call_args(node)
             weight = _tensor(self.gm, node, a["weight"], "weight")
             if a.get("transposed") or weight.dim() != 4:
                 raise Unsupported(f"{node.name}: a convolution other than a 2-D one")
-            bias, stride, padding = _tensor(self.gm, node, a["bias"], "bias"), _pair(a["stride"]), a["padding"]
-            dilation, groups = _pair(a["dilation"]), a["groups"]
+            bias, stride, padding = _tensor(self.gm, node, a["bias"], "bias"), pair(a["stride"]), a["padding"]
+            dilation, groups = pair(a["dilation"]), a["groups"]
         if padding == "same":  # torch's: the odd one out at the bottom and right
             th, tw = (d * (k - 1) for d, k in zip(dilation, weight.shape[2:], strict=True))
             padding = (th // 2, tw // 2, th - th // 2, tw - tw // 2)
-        return weight, bias, stride, (0, 0) if padding == "valid" else _pair(padding), dilation, groups
+        return weight, bias, stride, (0, 0) if padding == "valid" else pair(padding), dilation, groups
 
     def _bn(self, node: fx.Node) -> tuple:
         """(running mean, running var, weight, bias, eps, training) of an nn.BatchNorm2d or ATen batch norm."""
@@ -330,7 +306,7 @@ class _Walk:
             m = self.gm.get_submodule(node.target)
             affine = m.weight if m.affine else None, m.bias if m.affine else None
             return m.running_mean, m.running_var, *affine, m.eps, m.training
-        a = _kw(node)
+        a = call_args(node)
         t = {k: _tensor(self.gm, node, a[k], k) for k in ("running_mean", "running_var", "weight", "bias")}
         return t["running_mean"], t["running_var"], t["weight"], t["bias"], a["eps"], a.get("training", False)
 
@@ -338,30 +314,30 @@ class _Walk:
         m = self.gm.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(m, nn.AdaptiveAvgPool2d) or node.target in (aten.adaptive_avg_pool2d.default,
                                                                    nn.functional.adaptive_avg_pool2d):
-            size = _pair(m.output_size if m is not None else _kw(node)["output_size"])
+            size = pair(m.output_size if m is not None else call_args(node)["output_size"])
             if None in size:
                 raise Unsupported(f"{node.name}: AdaptiveAvgPool2d to {size} (sizes only)")
             return Pool(src, True, None, None, (0, 0), size=size)
         if m is None and node.target is aten.mean.dim:
             return Pool(src, True, None, None, (0, 0), size=(1, 1))
         if isinstance(m, nn.AvgPool2d) or node.target is aten.avg_pool2d.default:
-            a = vars(m) if m is not None else _kw(node)
-            kernel_size, stride, padding = _pair(a["kernel_size"]), _pair(a["stride"] or a["kernel_size"]), a["padding"]
+            a = vars(m) if m is not None else call_args(node)
+            kernel_size, stride, padding = pair(a["kernel_size"]), pair(a["stride"] or a["kernel_size"]), a["padding"]
             # oneDNN's average excludes the padding; with none, torch's count_include_pad is the same
-            if (_pair(padding) != (0, 0) and a["count_include_pad"]) or a["divisor_override"]:
+            if (pair(padding) != (0, 0) and a["count_include_pad"]) or a["divisor_override"]:
                 raise Unsupported(f"{node.name}: average pooling counting its padding, or with a divisor override")
-            return Pool(src, True, kernel_size, stride, _pair(padding), bool(a["ceil_mode"]))
+            return Pool(src, True, kernel_size, stride, pair(padding), bool(a["ceil_mode"]))
         if m is not None:
             if m.return_indices:
                 raise Unsupported(f"{node.name}: MaxPool2d returning indices")
             kernel_size, stride, padding, dilation, ceil = m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode
         else:
-            a = _kw(node)
+            a = call_args(node)
             kernel_size, stride, padding, dilation, ceil = (a["kernel_size"], a["stride"], a["padding"], a["dilation"],
                                                             a["ceil_mode"])
-        if _pair(dilation) != (1, 1):
+        if pair(dilation) != (1, 1):
             raise Unsupported(f"{node.name}: max pooling with dilation")
-        return Pool(src, False, _pair(kernel_size), _pair(stride or kernel_size), _pair(padding), bool(ceil))
+        return Pool(src, False, pair(kernel_size), pair(stride or kernel_size), pair(padding), bool(ceil))
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
@@ -437,7 +413,7 @@ def _flattens(node: fx.Node, gm: fx.GraphModule, value: fx.Node) -> bool:
     if node.op in ("call_function", "call_method") and node.target in (torch.flatten, "flatten"):
         return not node.kwargs and tuple(node.args) in ((value, 1), (value, 1, -1))
     if node.target is aten.flatten.using_ints:
-        a = _kw(node)
+        a = call_args(node)
         return (a["start_dim"], a["end_dim"]) == (1, -1)
     if node.target in (aten.view.default, aten.reshape.default):  # ATen's decomposed flatten, by shape
         src, out = value.meta.get("val"), node.meta.get("val")
@@ -452,10 +428,10 @@ def _linear(node: fx.Node, gm: fx.GraphModule) -> tuple | None:
     if m is not None:
         return (m.weight, m.bias, []) if len(node.args) == 1 and not node.kwargs else None
     if node.target is aten.linear.default:
-        a = _kw(node)
+        a = call_args(node)
         return _tensor(gm, node, a["weight"], "weight"), _tensor(gm, node, a["bias"], "bias"), []
     if node.target is aten.addmm.default:
-        a = _kw(node)
+        a = call_args(node)
         t = a["mat2"]
         if a["beta"] != 1 or a["alpha"] != 1 or not isinstance(t, fx.Node) or len(t.users) != 1 or not (
                 t.target is aten.t.default or (t.target is aten.permute.default and list(t.args[1]) == [1, 0])):

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..passes.fxargs import call_args, pair
+
 aten = torch.ops.aten
-_NAMES = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_DEFAULTS = {"bias": None, "stride": 1, "padding": "valid", "dilation": 1, "groups": 1}
-
-
-def _pair(v) -> list:
-    if isinstance(v, (list, tuple)):
-        return list(v) * 2 if len(v) == 1 else list(v)
-    return [v, v]
 
 
 def numeric_conv_padding(graph: torch.fx.GraphModule) -> int:
@@ -30,11 +24,11 @@ def numeric_conv_padding(graph: torch.fx.GraphModule) -> int:
     for node in list(graph.graph.nodes):
         if node.op != "call_function" or node.target is not aten.conv2d.padding:
             continue
-        a = {**_DEFAULTS, **dict(zip(_NAMES, node.args, strict=False)), **node.kwargs}
+        a = call_args(node)
         weight = a["weight"].meta.get("val") if isinstance(a["weight"], torch.fx.Node) else None
         if weight is None or weight.dim() != 4:
             continue
-        stride, dilation = _pair(a["stride"]), _pair(a["dilation"])
+        stride, dilation = list(pair(a["stride"])), list(pair(a["dilation"]))
         if a["padding"] == "valid":
             pad = [0, 0]
         elif a["padding"] == "same" and stride == [1, 1]:

@@ -47,6 +47,13 @@ def available() -> bool:
     return why_not() is None
 
 
+def _scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized weight's (scales per output channel, zero points), per-tensor ones broadcast."""
+    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        return w.q_per_channel_scales(), w.q_per_channel_zero_points()
+    return torch.full((w.shape[0],), w.q_scale()), torch.tensor([w.q_zero_point()])
+
+
 def _conv_step(m: nn.Module, src: int, other: int | None) -> Conv:
     import torch.ao.nn.intrinsic.quantized as nniq
     import torch.ao.nn.quantized as nnq
@@ -62,10 +69,7 @@ def _conv_step(m: nn.Module, src: int, other: int | None) -> Conv:
     if m.padding_mode != "zeros":
         raise Unsupported(f"{type(m).__name__} with padding_mode={m.padding_mode!r} (zeros only)")
     w = m.weight()
-    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-        scales, zps = w.q_per_channel_scales(), w.q_per_channel_zero_points()
-    else:
-        scales, zps = torch.full((w.shape[0],), w.q_scale()), torch.tensor([w.q_zero_point()])
+    scales, zps = _scales(w)
     if bool(zps.any()):
         raise Unsupported("an int8 weight with a nonzero zero point (oneDNN's are symmetric)")
     bias = m.bias()
@@ -97,10 +101,7 @@ def _head_step(gm: fx.GraphModule, deq: fx.Node, src: int) -> tuple[Linear, fx.N
     if not isinstance(m, DynamicLinear):
         return None
     w, bias = m.params._weight_bias()
-    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-        scales, zps = w.q_per_channel_scales(), w.q_per_channel_zero_points()
-    else:
-        scales, zps = torch.full((w.shape[0],), w.q_scale()), torch.tensor([w.q_zero_point()])
+    scales, zps = _scales(w)
     if bool(zps.any()):
         return None
     return Linear(src, w.int_repr().contiguous(), None if bias is None else bias.detach().float().contiguous(),
@@ -195,7 +196,7 @@ class OneDNNNet(PerSignature):
         self.rewritten = rewrite(lower(gm), head)
 
     def _scope(self):
-        return onednn_engine()  # the head's quantized linear was packed for it
+        return onednn_engine()  # a head left after the program was packed for it
 
     def _trace(self, args, kwargs):
         fn = _Bound(self.rewritten, args, kwargs)
