@@ -82,7 +82,7 @@ def plan(qi: QuantInfo, device: str, level: str, bf16_native: bool = False, has_
             notes.append("int8 linears: oneDNN primitives built once (torchkiln::qlinear_u8)")
         else:
             notes.append(f"int8 linears: inductor's (torchkiln::qlinear_u8 unavailable: {why})")
-    if avg_pool and level != "O0":  # EfficientNet's whole-input pool: int8 compiled bs1 237 -> 8.3 ms
+    if avg_pool and level != "O0":  # EfficientNet-B0 int8 compiled bs1: 237 -> 4.3 ms (RESULTS.md)
         passes += (registry.make("global_avg_pool"),)
     return Recipe(device=device, level=level, dtype="float32", dtype_mode="none", passes=passes,
                   attention=attention, compile=level != "O0", compile_options=options, static_shapes=static,
