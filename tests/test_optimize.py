@@ -105,6 +105,21 @@ def test_state_dict_keeps_keys_and_values_and_loads_both_ways():
     torch.testing.assert_close(fresh(x), other(x), rtol=0, atol=0)
 
 
+def test_a_model_holding_the_optimized_one_loads_its_checkpoint_into_it():
+    # A parent's load_state_dict walks _modules, which the returned model keeps empty: nothing loaded.
+    m, x = cnn(), torch.randn(2, 3, 8, 8)
+    o = tk.optimize(m, sample_input=x)
+    parent = nn.ModuleDict({"trunk": o})
+    other = nn.ModuleDict({"trunk": cnn()})
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)
+    assert parent.load_state_dict(other.state_dict()).unexpected_keys == []
+    torch.testing.assert_close(o(x), other["trunk"](x), rtol=1e-4, atol=1e-5)  # rebuilt over the new weights
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        parent.load_state_dict({**other.state_dict(), "trunk.nope": torch.zeros(1)})
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_original_model_is_never_mutated(dtype):
     if dtype is not None and not tk.detect().cpu.bf16_native:

@@ -45,6 +45,23 @@ class OriginalFace(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.kiln_original.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A parent's ``load_state_dict`` (a model holding this one, ``DDP(model)``) walks ``_modules``,
+        which this wrapper keeps empty: it reached no weight, and called every key of this subtree
+        unexpected (a new-user probe, fiftieth session). The subtree goes through this model's own
+        ``load_state_dict`` (which knows split weights and rebuilds what serves); the parent keeps
+        the verdict on missing and unexpected keys, as for any child."""
+        sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        try:
+            result = self.load_state_dict(sub, strict=False,
+                                          assign=bool(local_metadata.get("assign_to_params_buffers", False)))
+        except (RuntimeError, ValueError) as e:  # a shape mismatch, say: the parent raises with the rest
+            error_msgs.append(str(e))
+            return
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+
     def named_parameters(self, *args, **kwargs):
         return self.kiln_original.named_parameters(*args, **kwargs)
 

@@ -122,6 +122,23 @@ def test_tk_optimize_splits_on_request_and_checkpoints_are_exact_masters(monkeyp
         assert all(torch.equal(a, b) for a, b in zip(copied.state_dict().values(), loaded.values(), strict=True))
 
 
+def test_a_parent_saves_and_loads_the_exact_masters(monkeypatch):
+    with_bf16(monkeypatch)
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast, opt = tk.optimize(model, optimizer=opt, dtype=torch.bfloat16, split_master_weight_for_bf16=True,
+                            sample_input=data()[0], time_budget=0)
+    parent = nn.ModuleDict({"net": fast})
+    source = net()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1e-3)  # float32 values a bf16 weight cannot hold
+    parent.load_state_dict({"net." + k: v for k, v in source.state_dict().items()})
+    assert model[0].weight.dtype == torch.bfloat16
+    for (k, got), want in zip(parent.state_dict().items(), source.state_dict().values(), strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got, want), k
+
+
 def test_split_is_not_the_default_and_bad_values_are_refused(monkeypatch):
     class Clipping(torch.optim.SGD):  # might read every gradient at once: not stepped in chunks
         pass

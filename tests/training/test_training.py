@@ -114,6 +114,34 @@ def test_checkpoints_load_both_ways():
         assert torch.equal(p, q)
 
 
+def test_a_model_holding_the_pair_saves_and_loads_its_checkpoint():
+    # A parent (the user's wrapper with a loss head, or DDP(model)) walks _modules to load, which the
+    # returned model keeps empty: every key of its subtree came back "unexpected" and nothing loaded.
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    parent = nn.ModuleDict({"net": fast, "head": nn.Linear(10, 2)})
+    source = nn.ModuleDict({"net": net(), "head": nn.Linear(10, 2)})  # the same keys, other values
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    assert list(parent.state_dict()) == list(source.state_dict())
+    assert parent.load_state_dict(source.state_dict()).missing_keys == []
+    for (k, p), q in zip(parent.state_dict().items(), source.state_dict().values(), strict=True):
+        assert torch.equal(p, q), k
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), source["net"].parameters(), strict=True))
+    # The parent's verdict on keys holds as for any child: a key the subtree lacks is unexpected ...
+    extra = {**source.state_dict(), "net.9.weight": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "net.9.weight"'):
+        parent.load_state_dict(extra)
+    assert parent.load_state_dict(extra, strict=False).unexpected_keys == ["net.9.weight"]
+    # ... one it misses is missing, and a wrong shape is an error.
+    short = {k: v for k, v in source.state_dict().items() if k != "net.4.bias"}
+    assert parent.load_state_dict(short, strict=False).missing_keys == ["net.4.bias"]
+    bad = {**source.state_dict(), "net.0.weight": torch.zeros(3, 3)}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        parent.load_state_dict(bad)
+
+
 def test_setup_leaves_grads_buffers_and_rng_untouched():
     model = net(dropout=0.2, bn=True)
     x, y = data()
