@@ -3,6 +3,7 @@ import importlib
 import inspect
 import io
 import json
+import pickle
 import threading
 import time
 import warnings
@@ -16,6 +17,7 @@ from threads import assert_threads_match_serial
 from torch import nn
 
 import torchkiln as tk
+from torchkiln.optimize import KilnModule
 from torchkiln.recipe import Recipe
 
 opt_mod = importlib.import_module("torchkiln.optimize")  # the package attribute is the function
@@ -522,6 +524,13 @@ def test_modules_made_after_eval_that_ignore_training_mode_are_served():
     fast = tk.optimize(q, sample_input=x, time_budget=0.2)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), q(x), rtol=1e-4, atol=1e-5)
+    # The whole model never put in eval mode, all of it torch's mode-blind modules: its first call
+    # raised "put in training mode after tk.optimize()" (a new-user probe, fiftieth session).
+    plain = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    assert plain.training
+    fast = tk.optimize(plain, sample_input=x, time_budget=0.2)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-4, atol=1e-5)
     m[6] = _ReadsTraining()
     with pytest.raises(ValueError, match="submodule '6' is in training mode"):
         tk.optimize(m)
@@ -571,6 +580,16 @@ def test_deepcopy_and_pickle_keep_the_decision():
     buf.seek(0)
     p = torch.load(buf, weights_only=False)
     torch.testing.assert_close(p(x), m(x), rtol=1e-4, atol=1e-5)
+    for copied in (c, p, pickle.loads(pickle.dumps(o))):  # still the wrapper, showing the original's class
+        assert type(copied) is KilnModule and isinstance(copied, nn.Sequential)
+
+
+def test_isinstance_holds_for_the_models_own_class():
+    # IPEX returned the model's own class; code checks it (HF Trainer: isinstance(model, PreTrainedModel))
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, graph_mode=False)
+    assert isinstance(o, nn.Sequential) and isinstance(o, KilnModule) and type(o) is KilnModule
+    assert not isinstance(o, nn.Linear) and o.__class__ is nn.Sequential
 
 
 def test_inplace_changes_to_the_originals_weights_rebuild():

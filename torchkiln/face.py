@@ -39,6 +39,21 @@ class OriginalFace(nn.Module):
         forward.__doc__ = self.kiln_original.forward.__doc__
         object.__setattr__(self, "forward", forward)
 
+    @property
+    def __class__(self):
+        """The original's class, so ``isinstance(fast, BertForSequenceClassification)`` (or transformers'
+        ``PreTrainedModel``, HF Trainer's check) holds as for the model given: IPEX returned the model's
+        own class, and a new-user probe found the check False here (fiftieth session). Python's
+        isinstance asks ``__class__`` when ``type()`` does not match; ``type(fast)`` stays this wrapper,
+        so ``isinstance(fast, KilnModule)`` holds too, and copies and pickles rebuild the wrapper."""
+        original = self.__dict__.get("kiln_original")
+        return type(self) if original is None else original.__class__
+
+    def __reduce_ex__(self, protocol):
+        # pickle's own recipe (copyreg.__newobj__) checks its class against __class__, which names the
+        # original's: rebuild the wrapper by its real type instead
+        return _new, (type(self),), self.__getstate__()
+
     def state_dict(self, *args, **kwargs):
         return self.kiln_original.state_dict(*args, **kwargs)
 
@@ -180,3 +195,8 @@ class OriginalFace(nn.Module):
     def _attr(self, name: str, attr):
         """Subclasses may wrap what is forwarded from the original (say, a method)."""
         return attr
+
+
+def _new(cls):
+    """An empty instance of ``cls`` for unpickling and deepcopy; ``__setstate__`` fills it."""
+    return cls.__new__(cls)

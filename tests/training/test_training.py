@@ -1,6 +1,7 @@
 """tk.optimize(model, optimizer=...): the training pair."""
 
 import copy
+import pickle
 import warnings
 from dataclasses import replace
 
@@ -140,6 +141,16 @@ def test_a_model_holding_the_pair_saves_and_loads_its_checkpoint():
     bad = {**source.state_dict(), "net.0.weight": torch.zeros(3, 3)}
     with pytest.raises(RuntimeError, match="size mismatch"):
         parent.load_state_dict(bad)
+
+
+def test_the_pair_shows_the_models_own_class_and_copies_keep_the_wrapper():
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    assert isinstance(fast, nn.Sequential) and type(fast) is TrainModule and isinstance(fast, TrainModule)
+    x, y = data()
+    for copied in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
+        assert type(copied) is TrainModule and isinstance(copied, nn.Sequential)
+        torch.testing.assert_close(copied(x), fast(x), rtol=0, atol=0)
 
 
 def test_setup_leaves_grads_buffers_and_rng_untouched():
