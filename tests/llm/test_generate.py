@@ -388,6 +388,35 @@ def test_a_sliding_window_shorter_than_the_request_matches_hf(compiled):
     assert not torch.equal(wide.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sliding_and_full_attention_layers_each_keep_their_own_mask(compiled):
+    # Qwen2's max_window_layers: layer 0 attends to everything, layer 1 to its window (transformers'
+    # layer_types). The window once went to every layer: other tokens than HF's past the window.
+    model = build("qwen2", seed=31, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert list(model.config.layer_types) == ["full_attention", "sliding_attention"]
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    assert fast.kiln_report.path == "fast" and list(fast.kiln_report.spec["windowed"]) == [False, True]
+    ids = prompt(batch=2, length=5, seed=32)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    # the window on both layers reads other tokens: the test sees the difference
+    both = build("qwen2", seed=31, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    assert not torch.equal(both.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
+
+
+def test_attention_kinds_the_fast_path_does_not_run_go_to_the_stock_path():
+    model = build("llama", seed=33)
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.warns(UserWarning, match="chunked_attention"):
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    assert fast.kiln_report.path == "stock" and "layer_types" in fast.kiln_report.reason
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_a_quantized_decoder_follows_a_checkpoint_loaded_after_optimize(quant):
     # its codes are made from the weights at build: load_state_dict (or an in-place edit) must quantize

@@ -476,13 +476,16 @@ class FastDecoder(nn.Module):
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         keys = self.slot_ids[None, :]
-        allowed = keys <= slots[:, None]
-        if s.sliding_window is not None:
-            allowed = allowed & (keys > slots[:, None] - s.sliding_window)
+        causal = keys <= slots[:, None]
         # a query always sees its own slot: a left-padding row, fully masked otherwise, would
         # give NaN through softmax; its output is never read, the real rows never see it
-        mask = (self.key_ok[:, None, None, :] & allowed[None, None]) | (keys == slots[:, None])[None, None]
-        for layer in self.layers:
+        own = (keys == slots[:, None])[None, None]
+        full = windowed = (self.key_ok[:, None, None, :] & causal[None, None]) | own
+        if s.sliding_window is not None:
+            near = causal & (keys > slots[:, None] - s.sliding_window)
+            windowed = (self.key_ok[:, None, None, :] & near[None, None]) | own
+        for i, layer in enumerate(self.layers):
+            mask = windowed if s.windowed is None or s.windowed[i] else full
             x = layer(x, cos, sin, slots, mask, None if cos is None else (self.cos, self.sin, positions))
         if every:
             return self.head(self.norm(x)).float()
