@@ -472,6 +472,50 @@ def test_a_real_move_after_optimize_rebuilds_the_fast_path(models):
     assert torch.equal(got.sequences, ref)
 
 
+def test_torch_save_and_load_give_back_a_model_on_the_fast_path(tmp_path):
+    # torch.save stored the fast generate as a bound method by name; torch.load then failed
+    model = build("llama", seed=34)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    ids = prompt(seed=35)
+    want = model.generate(ids, max_new_tokens=6, **GREEDY)
+    torch.save(fast, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert type(back) is type(model) and back._kiln_runner is None  # compiled steps are not pickled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: built again on the first call
+        assert torch.equal(back.generate(ids, max_new_tokens=6, **GREEDY), want)
+    assert back._kiln_runner is not None and back.kiln_report.path == "fast"
+
+
+def test_modules_replaced_after_optimize_are_what_generate_decodes_with():
+    # resize_token_embeddings, a layer swapped by hand (an adapter merged, say) or new weight memory
+    # (p.data = t): generate went on with the modules read at build, silently
+    model = build("llama", seed=36)
+    fast = tk.llm.optimize(copy.deepcopy(model), dtype=torch.float32, compile=False)
+    ids = prompt(seed=37)
+    fast.generate(ids, max_new_tokens=2, **GREEDY)
+    torch.manual_seed(38)
+    swapped = nn.Linear(96, 64, bias=False)
+    swapped.weight.data.mul_(20)
+    for m in (model, fast):
+        m.model.layers[0].mlp.down_proj = copy.deepcopy(swapped)
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
+    for m in (model, fast):
+        m.resize_token_embeddings(120)
+        with torch.no_grad():
+            m.lm_head.weight[96:] = 0.5 * m.lm_head.weight[:24] + 3.0  # the new tokens win: the test sees the head
+    kw = dict(max_new_tokens=6, output_scores=True, return_dict_in_generate=True, **GREEDY)
+    got, want = fast.generate(ids, **kw), model.generate(ids, **kw)
+    assert got.scores[0].shape[-1] == 120 and (want.sequences[0, ids.shape[1]:] >= 96).any()
+    assert torch.equal(got.sequences, want.sequences)
+    with torch.no_grad():
+        for m in (model, fast):
+            w = m.model.layers[1].self_attn.o_proj.weight
+            w.data = w.data * -1.0  # new memory under the same Parameter
+    assert torch.equal(fast.generate(ids, max_new_tokens=6, **GREEDY), model.generate(ids, max_new_tokens=6, **GREEDY))
+    assert fast.kiln_report.path == "fast"
+
+
 def test_tk_optimize_routes_a_decoder_to_the_llm_path():
     model = build("gpt2", seed=19)
     fast = tk.optimize(model)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
-import types
 
 import torch
 from torch import nn
@@ -248,11 +248,37 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
                   "pass over the weights per 8-16 rows; Llama-3-8B on an H200 at batch 16: 9.4 ms per step "
                   "against bf16's 5.3 and int8's 4.5). quant='int8' serves batched decode faster", owner=work)
     work.kiln_report = report
-    work._kiln_runner = runner
-    runner.versions = _versions(work, quant)
-    work.generate = types.MethodType(_generate, work)
+    _attach(work, runner)
+    work.generate = FastGenerate(work)
     report.setup_s = round(time.perf_counter() - t0, 2)
     return work
+
+
+def _attach(model, runner: Runner) -> None:
+    """``runner`` serves ``model`` from now on, as the model is now (its weights' versions, its layout)."""
+    model._kiln_runner = runner
+    runner.versions = _versions(model, model.kiln_report.quant)
+    runner.layout = _layout(model)
+
+
+class FastGenerate:
+    """The model's ``generate``: the fast path (``_generate``). An object rather than a bound method so the
+    model still pickles: ``torch.save(model)`` stored the bound method by its function's name, and
+    ``torch.load`` then failed ("no attribute '_generate'", a new-user probe, fiftieth session). A
+    loaded or copied model holds a FastGenerate without a decoder (Runner pickles to None): its first
+    call builds, verifies and compiles again."""
+
+    def __init__(self, model):
+        self.model = model
+        self.__signature__ = inspect.signature(_generate).replace(
+            parameters=list(inspect.signature(_generate).parameters.values())[1:])
+        self.__doc__ = _generate.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return _generate(self.model, *args, **kwargs)
+
+    def __reduce__(self):
+        return FastGenerate, (self.model,)
 
 
 def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
@@ -366,7 +392,7 @@ def _quant_cosine(work, runner: Runner, reference: list) -> float:
 def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs):
     """transformers' generate, on the fast path; anything it does not do goes to the model's
     own generate with a warning naming the argument."""
-    runner: Runner = self._kiln_runner
+    runner: Runner | None = self._kiln_runner
     report: LLMReport = self.kiln_report
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     mask = kwargs.get("attention_mask")
@@ -374,7 +400,7 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
     try:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise Fallback("inputs= other than a (batch, length) tensor of token ids")
-        if _moved(runner) or _rewritten(self, runner):
+        if runner is None or _moved(runner) or _rewritten(self, runner) or _reshaped(self, runner):
             runner = _rebuild(self, runner, report)
         req = resolve(self, ids.shape[1], generation_config, rest)
         if mask is None:
@@ -415,19 +441,20 @@ def _autocast_off(runner: Runner, report: LLMReport):
     return torch.autocast(device, enabled=False)
 
 
-def _rebuild(model, old: Runner, report: LLMReport) -> Runner:
-    """After a real .to() or a deepcopy the decoder no longer reads the model's weights: build it
-    again over the weights as they are now (new device/dtype: verified and compiled again)."""
+def _rebuild(model, old: Runner | None, report: LLMReport) -> Runner:
+    """After a real .to(), a deepcopy, a pickle round trip or a module replaced, the decoder no longer
+    reads the model's weights: build it again over the model as it is now (verified and compiled again)."""
     target, dtype = model_device(model), model_dtype(model)
+    compile, max_seq_len = (old.compile, old.max_seq_len) if old is not None else (report.compile, None)
     try:
-        runner = _build(model, target, dtype, report.quant, old.compile, old.max_seq_len, report,
+        runner = _build(model, target, dtype, report.quant, compile, max_seq_len, report,
                         getattr(model, "_kiln_calib", ()))
     except Unsupported as e:
-        raise Fallback(f"a model moved or cast to {target}/{dtype} the fast path cannot take ({e})") from e
+        raise Fallback(f"a model changed since tk.llm.optimize (now {target}/{dtype}) that the fast path cannot "
+                       f"take ({e})") from e
     report.device, report.dtype = str(target), str(dtype).removeprefix("torch.")
     report.cudagraphs = runner.cudagraphs
-    model._kiln_runner = runner
-    runner.versions = _versions(model, report.quant)
+    _attach(model, runner)
     log.info("torchkiln.llm: decoder rebuilt for %s/%s", target, dtype)
     return runner
 
@@ -445,6 +472,21 @@ def _versions(model: nn.Module, quant) -> int | None:
     generate() then decoded with the old weights, silently (found by a new-user probe). Counters only
     grow, so the sum moves exactly when one of them does. (Edits through ``.data`` bypass them.)"""
     return sum(p._version for p in model.parameters()) if quant else None
+
+
+def _layout(model: nn.Module) -> tuple:
+    """Which modules and parameter tensors the model holds, and where their memory is. The decoder holds
+    the modules and weights it read at build; a module replaced since (``resize_token_embeddings``, an
+    adapter injected, a layer swapped by hand) or a weight given new memory (``p.data = t``) changed
+    the model's forward while generate decoded on with the old ones, silently (a new-user probe,
+    fiftieth session). Read once per generate call, not per token (~300 parameters for Llama-3-8B)."""
+    return (tuple(map(id, model.modules())),
+            tuple((id(p), p.data_ptr(), p.shape) for p in model.parameters()))
+
+
+def _reshaped(model: nn.Module, runner: Runner) -> bool:
+    """Modules or weight memory changed since the decoder was built (``_layout``): build again."""
+    return getattr(runner, "layout", None) != _layout(model)
 
 
 def _rewritten(model: nn.Module, runner: Runner) -> bool:

@@ -66,6 +66,10 @@ class Runner:
         self._graphs: dict = {}  # (width, batch, cache length) -> a captured prefill
         self._pool = None
 
+    def __reduce__(self):
+        # compiled steps and captured graphs do not pickle: a copied or loaded model builds its own (api.py)
+        return _no_runner, ()
+
     def reserve(self, batch: int, need: int) -> None:
         """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
         model's own limit), else reuse, else (re)allocate rounded up."""
@@ -211,3 +215,7 @@ def cpu_options() -> dict:
     import torch._inductor.config as inductor
 
     return dict(CPU_OPTIONS) if all(hasattr(inductor, k) for k in CPU_OPTIONS) else {}
+
+
+def _no_runner():
+    return None
