@@ -1028,6 +1028,21 @@ def test_prompt_lookup_speculation_is_exact_under_greedy(compiled):
     assert torch.equal(fast.generate(ids, prompt_lookup_num_tokens=4, **kw), model.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_prompt_lookup_near_the_cache_limit_decodes_what_fits(family):
+    # max_seq_len (llama) or a learned position table (gpt2, n_positions) exactly as long as the request:
+    # the lookup width was added to the request and refused it; near the end speculation steps aside
+    model = build(family, seed=39, **({"n_positions": 32} if family == "gpt2" else {}))
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False,
+                           max_seq_len=32 if family == "llama" else None)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9]])
+    ref = model.generate(ids, max_new_tokens=22, **GREEDY)
+    assert torch.equal(fast.generate(ids, max_new_tokens=22, prompt_lookup_num_tokens=4, **GREEDY), ref)
+    assert fast.kiln_report.speculated > 0
+    with pytest.raises(ValueError, match="33 tokens"):  # one past the limit is still a clear error
+        fast.generate(ids, max_new_tokens=23, prompt_lookup_num_tokens=4, **GREEDY)
+
+
 def test_lookup_follows_the_earliest_longest_match():
     from torchkiln.llm.generate import lookup
 

@@ -188,6 +188,8 @@ def _speculate(runner, seq, nxt, slot, pos, req: Request, room: int):
     after ``nxt`` in one forward. Returns (accepted tokens, logits after the last one), or None
     when nothing was drafted. Exact under greedy: a drafted token is kept only if it is the
     model's own argmax at its position, and the next logits come from that same forward."""
+    if not runner.verify_fits(int(slot), int(pos[0, 0]), req.lookup + 1):
+        return None
     draft = lookup(seq[0].tolist(), min(req.lookup, room), req.ngram)
     if not draft:
         return None
@@ -253,7 +255,9 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
         pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
     speculate = (req.lookup > 0 and B == 1 and not s.do_sample and s.repetition_penalty == 1.0
                  and not req.output_logits and not req.output_scores)
-    runner.reserve(B, L + req.max_new_tokens + (req.lookup if speculate else 0))
+    # prompt lookup's verify writes req.lookup + 1 slots from the current one: spare room where there is
+    # some; a request that fits without it is never refused for it (it raised near max_seq_len)
+    runner.reserve(B, L + req.max_new_tokens, spare=req.lookup if speculate else 0)
     dev = runner.device
     ids = ids.to(dev)
     mask = mask.to(dev)

@@ -70,9 +70,10 @@ class Runner:
         # compiled steps and captured graphs do not pickle: a copied or loaded model builds its own (api.py)
         return _no_runner, ()
 
-    def reserve(self, batch: int, need: int) -> None:
+    def reserve(self, batch: int, need: int, spare: int = 0) -> None:
         """A cache for ``batch`` rows and ``need`` positions: a clear error past max_seq_len (or the
-        model's own limit), else reuse, else (re)allocate rounded up."""
+        model's own limit), else reuse, else (re)allocate rounded up. ``spare``: positions wanted
+        beyond ``need`` where the limit leaves room (prompt lookup's padded drafts), never an error."""
         spec = self.decoder.spec
         # Rotary positions go on past max_position_embeddings, as transformers generates there (with a
         # notice; this raised before); a learned position table has no rows beyond it.
@@ -88,6 +89,7 @@ class Runner:
                       f"model's max_position_embeddings={spec.max_positions}; rotary positions go on past it, as "
                       "in transformers, but the model was not trained there")
         d = self.decoder
+        need = need + spare if limit is None else max(need, min(limit, need + spare))
         if d.batch == batch and d.seq >= need:
             return
         rounded = -(-need // CACHE_ROUND) * CACHE_ROUND
@@ -155,6 +157,12 @@ class Runner:
     @torch.no_grad()
     def decode(self, token: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self._call("decode", token, slot, pos)
+
+    def verify_fits(self, slot: int, pos: int, width: int) -> bool:
+        """Whether a verify of ``width`` tokens at ``slot`` / ``pos`` stays inside the cache (and a
+        learned position table): near max_seq_len prompt lookup steps aside for plain decode."""
+        spec = self.decoder.spec
+        return slot + width <= self.decoder.seq and (spec.positions != "learned" or pos + width <= spec.max_positions)
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
