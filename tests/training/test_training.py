@@ -153,6 +153,49 @@ def test_the_pair_shows_the_models_own_class_and_copies_keep_the_wrapper():
         torch.testing.assert_close(copied(x), fast(x), rtol=0, atol=0)
 
 
+def test_a_model_cast_to_bf16_is_checked_against_itself_and_said_so():
+    # pure-bf16 fine-tuning: the compiled step was judged against float32's tolerance and never served,
+    # and the recipe said the parameters "stay float32"
+    model = net().bfloat16()
+    ref = copy.deepcopy(model)
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), time_budget=0)
+    assert fast.kiln_recipe.notes[0].startswith("the model's parameters are bfloat16")
+    x, y = data()
+    x = x.bfloat16()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for m, o in ((fast, opt), (ref, ref_opt)):
+        for _ in range(2):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x).float(), y).backward()
+            o.step()
+    rep = fast.kiln_report
+    assert rep.guard["ok"] and rep.guard["reference"].startswith("eager bfloat16"), rep.guard
+    assert not any("tolerance" in f.reason for f in rep.fallbacks), rep.fallbacks
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):  # bf16 rounding apart
+        assert p.dtype == torch.bfloat16
+        assert float((p.float() - q.float()).norm() / q.float().norm()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_fused_step_is_taken_only_where_it_computes_the_stock_steps_numbers(dtype):
+    # torch's CPU fused SGD skipped every full vector block of a bf16/fp16 parameter (pytorch#191763):
+    # whether torchkiln fuses must follow what torch's kernel does, found here on other values
+    from torchkiln.training.fuse import fused_supported
+
+    start = torch.randn(200, generator=torch.Generator().manual_seed(3)).to(dtype)
+    moved = {}
+    for fused in (True, False):
+        p = start.clone().requires_grad_()
+        p.grad = torch.full_like(p, 0.5)
+        torch.optim.SGD([p], lr=0.1, fused=fused, foreach=False if not fused else None).step()
+        moved[fused] = float((p.detach().float() - start.float()).norm())
+    agrees = abs(moved[True] - moved[False]) <= 0.05 * moved[False]
+    assert fused_supported(torch.optim.SGD, "cpu", dtype) == agrees
+    model = net().to(dtype)
+    _, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    assert bool(opt.param_groups[0]["fused"]) == agrees
+
+
 def test_setup_leaves_grads_buffers_and_rng_untouched():
     model = net(dropout=0.2, bn=True)
     x, y = data()

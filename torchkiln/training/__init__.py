@@ -20,7 +20,7 @@ from torch import nn
 from .. import inputs
 from .._log import warn_once
 from ..hardware import detect
-from ..modelutil import first_line, is_oom, model_device, parse_dtype
+from ..modelutil import first_line, is_oom, model_device, model_dtype, parse_dtype
 from ..report import Report
 from ..runtime import allocator as _allocator
 from . import fuse as _fuse
@@ -47,7 +47,8 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     hw = detect()
     dev = str(here) if here.type == "cpu" or here.index is not None else f"{here.type}:0"
     kind, why = _fuse.choose(optimizer, level)
-    recipe = plan_training(hw, dev, compute, level, knobs, (kind, why), distributed=_world() > 1)  # may raise
+    recipe = plan_training(hw, dev, compute, level, knobs, (kind, why), distributed=_world() > 1,
+                           own=model_dtype(model))  # may raise
     split = []
     if recipe.master_weights == "split":
         why_not = _split.why_not(optimizer)

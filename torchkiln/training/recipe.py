@@ -68,7 +68,9 @@ class TrainRecipe:
 
 
 def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, knobs: dict,
-                  optimizer_note: tuple[str, str], distributed: bool = False) -> TrainRecipe:
+                  optimizer_note: tuple[str, str], distributed: bool = False,
+                  own: torch.dtype = torch.float32) -> TrainRecipe:
+    """``own``: the model's parameters' dtype (a model cast to bf16 trains in it, whatever autocast says)."""
     notes: list[str] = []
     if dtype == torch.float16 and torch.device(device).type == "cpu" and not hw.cpu.fp16_native:
         alt = "dtype=torch.bfloat16" if hw.cpu.bf16_native else "dtype=None (float32)"
@@ -79,7 +81,10 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
         notes.append(why)
     low = chosen != torch.float32
     split = _split_choice(knobs.get("split_master_weight_for_bf16"), chosen, distributed, notes)
-    if low and not split:
+    if own != torch.float32:
+        notes.append(f"the model's parameters are {dtype_name(own)}: they, their gradients and the optimizer "
+                     f"state stay {dtype_name(own)}, as given")
+    elif low and not split:
         notes.append(f"{dtype_name(chosen)} autocast: parameters, gradients and optimizer state stay float32")
     if chosen == torch.float16:
         notes.append("float16: use tk.amp.GradScaler in the loop (loss scaling), or gradients underflow")
