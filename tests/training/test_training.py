@@ -196,6 +196,15 @@ def test_a_fused_step_is_taken_only_where_it_computes_the_stock_steps_numbers(dt
     assert bool(opt.param_groups[0]["fused"]) == agrees
 
 
+@pytest.mark.parametrize("knobs", [{"level": "O0"}, {"graph_mode": False}])
+def test_without_a_compiled_step_the_report_says_eager_serves(knobs):
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **knobs)
+    train(fast, opt, 2)
+    assert fast.kiln_report.active == "eager (float32)"  # was "pending first call" for good
+    assert "serving: eager (float32)" in str(fast.kiln_report)
+
+
 def test_setup_leaves_grads_buffers_and_rng_untouched():
     model = net(dropout=0.2, bn=True)
     x, y = data()

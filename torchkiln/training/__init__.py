@@ -25,7 +25,7 @@ from ..report import Report
 from ..runtime import allocator as _allocator
 from . import fuse as _fuse
 from . import split as _split
-from .module import AutocastStep, TrainModule, _world
+from .module import _LABELS, AutocastStep, TrainModule, _world
 from .recipe import TrainRecipe, plan_training
 
 __all__ = ["optimize_training", "TrainModule", "TrainRecipe", "AutocastStep"]
@@ -87,6 +87,8 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
                              "keyword arguments)") from e
     elif not recipe.compile:
         tm._keep_memory()  # no candidates to build: the step's memory settings now
+        # nothing left to choose: the report said "pending first call" for good (a new-user probe)
+        report.active = f"{_LABELS['eager']} ({recipe.dtype})"
     report.optimize_seconds = round(time.perf_counter() - t0, 3)
     return tm, optimizer
 
