@@ -139,6 +139,38 @@ def test_a_parent_saves_and_loads_the_exact_masters(monkeypatch):
         assert got.dtype == torch.float32 and torch.equal(got, want), k
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_the_pair_copied_together_trains_the_copy(monkeypatch, how):
+    # the model was copied with a memo of its own: the copied optimizer then trained parameters the
+    # copied model did not hold, and the copy never changed
+    with_bf16(monkeypatch)
+    model = net()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), dtype=torch.bfloat16,
+                            split_master_weight_for_bf16=True, sample_input=data()[0], time_budget=0)
+    x, y = data()
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fast(x), y).backward()
+        opt.step()
+    masters = {k: v.clone() for k, v in fast.state_dict().items()}
+    if how == "deepcopy":
+        twin, twin_opt = copy.deepcopy((fast, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save({"model": fast, "opt": opt}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=False)
+        twin, twin_opt = saved["model"], saved["opt"]
+    held = {id(p) for p in twin.parameters()}
+    assert all(id(p) in held for g in twin_opt.param_groups for p in g["params"])
+    assert all(torch.equal(a, masters[k]) for k, a in twin.state_dict().items())  # the exact masters
+    twin_opt.zero_grad()
+    nn.functional.cross_entropy(twin(x), y).backward()
+    twin_opt.step()
+    assert any(not torch.equal(a, masters[k]) for k, a in twin.state_dict().items())
+    assert all(torch.equal(a, masters[k]) for k, a in fast.state_dict().items())  # the original untouched
+
+
 def test_split_is_not_the_default_and_bad_values_are_refused(monkeypatch):
     class Clipping(torch.optim.SGD):  # might read every gradient at once: not stepped in chunks
         pass

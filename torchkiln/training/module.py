@@ -15,7 +15,6 @@ compiled as one graph (``OneGraph``: why, and the measurements, there).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import itertools
@@ -116,19 +115,30 @@ class TrainModule(OriginalFace):
         s(self, "_passed", ("eager",))
 
     def __getstate__(self):
-        original, recipe = self.kiln_original, self.kiln_recipe
+        recipe, masters = self.kiln_recipe, None
         if self._split is not None and self._split.active:
-            # A copy (pickle, deepcopy) has no optimizer to hold trails: it gets the exact float32 masters.
-            with self._split.masters():
-                original = copy.deepcopy(original)
+            # A copy (pickle, deepcopy) has no split step to hold trails: it gets the exact float32 masters,
+            # written into its own parameters by __setstate__. The model itself goes into the state as it is,
+            # so a copy made with its optimizer (deepcopy((model, opt)), torch.save({"model": ..., "opt":
+            # ...})) shares the copier's memo: the copied optimizer holds the copied model's parameters.
+            # (A deepcopy of the masters' model here had a memo of its own, and the copied optimizer then
+            # trained parameters the copied model did not hold; a new-user probe, fiftieth session.)
+            index = {id(p): i for i, p in enumerate(self._split.params)}
+            masters = {name: self._split.master(index[id(p)]) for name, p in self.kiln_original.named_parameters()
+                       if id(p) in index}
             recipe = dataclasses.replace(recipe, master_weights="fp32")
-        return {"original": original, "recipe": recipe, "report": self.kiln_report,
-                "opts": self._opts, "training": self.training}
+        return {"original": self.kiln_original, "recipe": recipe, "report": self.kiln_report,
+                "opts": self._opts, "training": self.training, "masters": masters}
 
     def __setstate__(self, state):
         nn.Module.__init__(self)
         s = object.__setattr__
         s(self, "_split", None)
+        if state.get("masters"):
+            params = dict(state["original"].named_parameters())
+            with torch.no_grad():
+                for name, master in state["masters"].items():
+                    params[name].data = master  # the same Parameter object, its exact float32 value
         for k, v in (("kiln_original", state["original"]), ("kiln_recipe", state["recipe"]),
                      ("kiln_report", state["report"]), ("_opts", state["opts"]), ("_lock", threading.Lock()),
                      ("_uid", next(_ids))):
