@@ -417,6 +417,20 @@ def test_attention_kinds_the_fast_path_does_not_run_go_to_the_stock_path():
     assert fast.kiln_report.path == "stock" and "layer_types" in fast.kiln_report.reason
 
 
+def test_a_mixture_of_experts_model_is_told_so_and_decodes_on_the_stock_path():
+    import transformers as T
+
+    cfg = T.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, pad_token_id=0)
+    torch.manual_seed(44)
+    model = T.MixtralForCausalLM(cfg).eval()
+    with pytest.warns(UserWarning, match="mixture-of-experts"):  # it said "no activation module found"
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    assert fast.kiln_report.path == "stock"
+    ids = prompt(seed=45)
+    assert torch.equal(fast.generate(ids, max_new_tokens=4, **GREEDY), model.generate(ids, max_new_tokens=4, **GREEDY))
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_a_quantized_decoder_follows_a_checkpoint_loaded_after_optimize(quant):
     # its codes are made from the weights at build: load_state_dict (or an in-place edit) must quantize

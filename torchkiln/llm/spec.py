@@ -223,6 +223,10 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         raise Unsupported("GPT-2 attention variants (scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn)")
 
     parent, stack_name, layers = _stack(model, n_layers)
+    experts = next((n for n, m in layers[0].named_modules() if n.rsplit(".", 1)[-1] == "experts"), None)
+    if experts is not None:  # said plainly: the MLP search below failed on it as "no activation module found"
+        raise Unsupported(f"mixture-of-experts layers ({type(layers[0]).__name__}.{experts}: tokens routed to "
+                          "experts) are not in the fast path")
     embed = model.get_input_embeddings()
     pos_embed = next((m for m in parent.children() if isinstance(m, nn.Embedding) and m is not embed), None)
     if pos_embed is None:  # OPT keeps the embeddings beside the stack, GPT-2 too; others may not
