@@ -42,6 +42,32 @@ def test_a_sliding_window_shorter_than_the_request_through_the_decode_kernel_mat
     assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY))
 
 
+def test_sliding_and_full_layers_through_the_decode_kernel_match_hf():
+    # each layer's own mask (transformers' layer_types) through the kernel and the CUDA-graph step
+    model = build("qwen2", seed=31, use_sliding_window=True, sliding_window=6, max_window_layers=1).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    assert fast.kiln_report.attention == "kernel" and list(fast.kiln_report.spec["windowed"]) == [False, True]
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(6)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=16, **GREEDY))
+
+
+def test_a_module_replaced_after_optimize_is_decoded_on_cuda():
+    model = build("llama", seed=46).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(47)).cuda()
+    fast.generate(ids, max_new_tokens=4, **GREEDY)
+    torch.manual_seed(48)
+    down = torch.nn.Linear(96, 64, bias=False).cuda()
+    down.weight.data.mul_(20)
+    fast.model.layers[0].mlp.down_proj = down
+    ref = build("llama", seed=46).cuda()
+    ref.model.layers[0].mlp.down_proj = down
+    assert torch.equal(fast.generate(ids, max_new_tokens=8, **GREEDY), ref.generate(ids, max_new_tokens=8, **GREEDY))
+
+
 def test_a_quantized_decoder_follows_new_weights_on_cuda():
     model, other = build("llama", seed=7).cuda(), build("llama", seed=8).cuda()
     fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
