@@ -70,7 +70,8 @@ def _worker(rank, world, init, order, out):
             torch.save([p.detach() for p in full], out)
         torch.save({"active": fast.kiln_report.active if hasattr(fast, "kiln_report") else None,
                     "applied": list(fast.kiln_report.applied) if hasattr(fast, "kiln_report") else [],
-                    "one_graph": type(getattr(fast.module if isinstance(fast, DDP) else fast, "_compiled", None)).__name__
+                    # type(), not isinstance: torchkiln's model over a DDP shows DDP's class to isinstance
+                    "one_graph": type(getattr(fast.module if type(fast) is DDP else fast, "_compiled", None)).__name__
                     == "OneGraph",
                     "fallbacks": [f.reason for f in getattr(fast, "kiln_report", None).fallbacks]
                     if hasattr(fast, "kiln_report") else []}, f"{out}.{rank}")
