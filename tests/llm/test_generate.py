@@ -4,6 +4,7 @@ transformers' own eager generate on the same fp32 model."""
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -353,6 +354,11 @@ def test_model_it_cannot_read_is_returned_working_with_a_reason():
     assert fast.kiln_report.path == "stock" and fast.kiln_report.reason
     ids = prompt(seed=13)
     assert torch.equal(fast.generate(ids, max_new_tokens=4, **GREEDY), model.generate(ids, max_new_tokens=4, **GREEDY))
+    # the static cache is asked per call: written into generation_config, save_pretrained kept it for every
+    # later load of the checkpoint
+    assert fast.generation_config.cache_implementation is None
+    back = pickle.loads(pickle.dumps(fast))
+    assert torch.equal(back.generate(ids, max_new_tokens=4, **GREEDY), model.generate(ids, max_new_tokens=4, **GREEDY))
 
 
 def test_checkpoints_load_both_ways_and_the_original_is_untouched(models):

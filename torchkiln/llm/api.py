@@ -257,6 +257,26 @@ def optimize(model, dtype=None, quant=None, max_seq_len=None, max_batch_size=1, 
     return work
 
 
+class StockGenerate:
+    """The stock path's ``generate``: the model's own, with a static cache unless the call or its
+    generation_config says which cache. Per call, not written into ``model.generation_config``:
+    written there, ``save_pretrained`` saved it and every later load of the checkpoint used a static
+    cache (a new-user probe, fiftieth session)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.__doc__ = type(model).generate.__doc__
+
+    def __call__(self, *args, generation_config=None, **kwargs):
+        chosen = getattr(generation_config or self.model.generation_config, "cache_implementation", None)
+        if "cache_implementation" not in kwargs and chosen is None:
+            kwargs["cache_implementation"] = "static"
+        return type(self.model).generate(self.model, *args, generation_config=generation_config, **kwargs)
+
+    def __reduce__(self):
+        return StockGenerate, (self.model,)
+
+
 def _attach(model, runner: Runner) -> None:
     """``runner`` serves ``model`` from now on, as the model is now (its weights' versions, its layout)."""
     model._kiln_runner = runner
@@ -342,8 +362,7 @@ def _stock(work, report: LLMReport, reason: str, t0: float):
     report.cudagraphs = False
     warn_once(f"llm-stock:{type(work).__name__}", f"torchkiln.llm: {type(work).__name__} runs on transformers' own "
               f"generate with a static cache, not the fast path: {reason}")
-    if getattr(work, "generation_config", None) is not None:
-        work.generation_config.cache_implementation = "static"
+    work.generate = StockGenerate(work)
     work.kiln_report = report
     report.setup_s = round(time.perf_counter() - t0, 2)
     return work
