@@ -55,7 +55,7 @@ from .modelutil import (
     swapped_parameters,
     training_module,
 )
-from .owncalls import OwnCalls, under_transform
+from .owncalls import OwnCalls, given_cache, under_tracer, under_transform
 from .passes.compile import CompileTimeout, compiling_late
 from .plan import INTEL_ONLY, KNOBS, SERVING_KNOBS, plan, serving_knobs
 from .pristine import Pristine, per_call_state
@@ -172,6 +172,10 @@ class KilnModule(OwnCalls, OriginalFace):
             return self._traced_call(args, kwargs)
         if under_transform():
             return self._own_call(args, kwargs, "transform")
+        if under_tracer():
+            return self._own_call(args, kwargs, "tracing")
+        if kwargs and given_cache(kwargs):
+            return self._own_call(args, kwargs, "cache")
         if torch.is_grad_enabled() and inputs.need_grad(args, kwargs):
             return self._own_call(args, kwargs, "grad")
         if self._own is not None:  # a submodule was put in training mode (found by _refresh)

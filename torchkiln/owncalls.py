@@ -47,6 +47,15 @@ _OWN_CALLS = {
                  "the optimized form computes at the precision it was optimized and verified for, and autocast "
                  "would make torch.compile recompile it, unverified, at the first such call; tk.optimize(model, "
                  "dtype=<autocast's dtype>) serves that precision fast (with or without autocast around the calls)"),
+    "cache": ("calls given a KV cache (past_key_values and the like)", "the original model (eager)",
+              "the cache is state the call appends to in place: a compiled form that failed on such a call after "
+              "appending left the cache a step ahead of eager's, and the original then answered from it (GPT-2: "
+              "logits 0.85 off, the cache twice as long; a new-user probe, fiftieth session); model.generate() of "
+              "a decoder runs torchkiln's own decoder, and calls without a cache get the fast path"),
+    "tracing": ("calls traced by torch.export or another fake-tensor tracer", "the original model (traced)",
+                "the optimized forms hold real weights and compiled kernels a tracer cannot run (a served form's "
+                "rebuild under torch.export failed on fake tensors, and the model served its original for good "
+                "after; a new-user probe, fiftieth session); export the original, model.kiln_original"),
     "hooks": ("calls while the original's forward hooks differ from those at optimize", "the original model (eager)",
               "hooks registered (or removed) on the original's modules after optimize: the optimized form does not "
               "call them; remove them, or tk.optimize again with them in place, for the fast path"),
@@ -56,6 +65,24 @@ _OWN_CALLS = {
 def under_transform() -> bool:
     """Inside a torch.func transform (vmap, grad, jacrev, functionalize): 0.1 us."""
     return _peek() is not None
+
+
+_FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+
+
+def under_tracer() -> bool:
+    """Traced by dynamo (torch.export goes through it) or under a fake-tensor mode: < 1 us."""
+    return torch.compiler.is_compiling() or (_FAKE is not None and torch._C._get_dispatch_mode(_FAKE) is not None)
+
+
+# keyword arguments that carry a decoder's KV cache into a forward (transformers' names across versions/families)
+# ("cache": transformers 5.24's new name for past_key_values)
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params", "inference_params", "cache")
+
+
+def given_cache(kwargs: dict) -> bool:
+    """A KV cache handed to this call (an empty one too: the call fills it in place); a flag is not one."""
+    return any(kwargs.get(k) is not None and not isinstance(kwargs[k], bool) for k in CACHE_KWARGS)
 
 
 _peek = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
