@@ -729,7 +729,9 @@ class KilnModule(OwnCalls, OriginalFace):
         elif served.tier > 0:
             warn_once("served", f"torchkiln: no {self.kiln_recipe.dtype} candidate passed the numeric "
                       f"guard; serving {served.name!r}. See tk.report(model).", owner=self)
-        elif served.dtype != self.kiln_recipe.dtype:  # the float32 copy of a half model (candidates.upcast_wins)
+        # the float32 copy of a half model (candidates.upcast_wins); an int8 candidate's dtype ("int8-static") is not
+        # one (this fired on every int8 quantization of a float32 model: a new-user probe, fiftieth session)
+        elif served.dtype == "float32" and self.kiln_recipe.dtype in ("bfloat16", "float16"):
             warn_once("upcast", f"torchkiln: the model's {self.kiln_recipe.dtype} weights run as a float32 copy "
                       f"({served.name}), faster here than {self.kiln_recipe.dtype}, which this CPU only emulates: "
                       "twice the weights' memory; outputs stay in the model's dtype. See tk.report(model).", owner=self)
