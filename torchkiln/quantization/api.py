@@ -57,6 +57,11 @@ class QuantizedGraph(nn.Module):
         self.kiln_quant = info
         for m in self.modules():  # flags only: exported graphs raise on .eval()
             m.training = False
+        # pt2e binds train/eval overrides to the converted graph as local functions, which pickle cannot
+        # save (torch.save of a quantized model raised "Can't pickle local object ...", a new-user probe,
+        # fiftieth session); this wrapper never switches the graph's mode (train() below), so they go
+        for name in ("train", "eval"):
+            graph.__dict__.pop(name, None)
 
     def forward(self, *args, **kwargs):
         try:
@@ -74,6 +79,21 @@ class QuantizedGraph(nn.Module):
             raise ValueError(f"this {self.kiln_quant.config.scheme} model was exported for inputs shaped "
                              f"{want} (dimensions other than the batch are fixed, as is each input's rank); got "
                              f"{got}. Quantize with calib_data shaped like the inputs it will serve") from e
+
+    def __reduce_ex__(self, protocol):
+        # torch.export (2.9+) puts the input guards in a submodule whose forward is a local function, which
+        # pickle cannot save: it raised "Can't pickle local object 'wrap_dunder_call_ctx_manager...'" (a new-
+        # user probe, fiftieth session). Said plainly, with the way that works; deepcopy still copies.
+        if any(type(m.__dict__.get("forward")).__name__ == "function" for m in self.graph.modules()):
+            raise TypeError(f"a {self.kiln_quant.config.scheme}-quantized model holds torch.export's guard "
+                            "function, which pickle (and torch.save of the model object) cannot save: "
+                            "tk.quantization.save(model, path) writes it without pickle, and "
+                            "tk.quantization.load(float_model, path) reads it back")
+        return super().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        # what copy.deepcopy does for any object, past the refusal above (deepcopy copies functions as they are)
+        return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
 
     def train(self, mode: bool = True):
         # An exported graph has no train/eval switch (torch raises on it): it was converted
