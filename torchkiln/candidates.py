@@ -351,6 +351,15 @@ def keeping_state(out: list[Candidate], names: list[str], owner, fallbacks: list
     return _restrict(out, lambda c: c.live_weights, why, "state", owner, fallbacks)
 
 
+def keeping_inputs(out: list[Candidate], owner, fallbacks: list[Fallback]) -> list[Candidate]:
+    """Only the candidates that run the original's own modules on the caller's tensors, for a forward that
+    writes into its inputs (``x.mul_(2)``): a compiled candidate fed a cast copy left the caller's tensor as
+    it was, where eager doubles it (a new-user probe, fiftieth session)."""
+    why = ("the model's forward writes into its inputs in place, which a candidate fed a cast or traced copy would "
+           "not pass back to the caller; only candidates that run the model on the caller's own tensors compete")
+    return _restrict(out, lambda c: c.live_weights, why, "inputs", owner, fallbacks)
+
+
 def _stock(r: stock.StockRecipe, original, device, conv: bool, kind: str, cast: stock.SharedCast) -> Candidate:
     # The original is used as is (never changed: a cast works on a copy, one shared by the
     # recipes that cast), on its device.

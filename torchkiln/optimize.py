@@ -36,7 +36,7 @@ from torch import nn
 
 from . import _log, hostmem, inputs
 from ._log import quiet_deprecations, warn_once
-from .candidates import Candidate, applied_for, candidates, keeping_state, upcast_wins
+from .candidates import Candidate, applied_for, candidates, keeping_inputs, keeping_state, upcast_wins
 from .face import OriginalFace
 from .guard import compare_each, tf32_allowed, tolerances, verdict
 from .hardware import detect, resolve_device
@@ -120,6 +120,8 @@ class KilnModule(OwnCalls, OriginalFace):
                            self.kiln_report.fallbacks, o.get("upcast"))
         if self._state_names:
             cands = keeping_state(cands, self._state_names, self.kiln_original, self.kiln_report.fallbacks)
+        if getattr(self, "_writes_inputs", False):
+            cands = keeping_inputs(cands, self.kiln_original, self.kiln_report.fallbacks)
         s(self, "_cands", cands)
         s(self, "_choice", choice)  # name of the candidate to rebuild (after a weight change or a copy)
         s(self, "_fn", None)
@@ -387,20 +389,28 @@ class KilnModule(OwnCalls, OriginalFace):
         anything, leave only the candidates that keep it as eager does. A counter or stored attention
         maps were left behind by every traced or compiled candidate (the twenty-ninth session's probes)."""
         names: list[str] = []
+        writes_inputs = False
         if not self._opts["inplace"]:  # inplace: the transformed model is the caller's own
             model = self.kiln_original
             a, k = inputs.to((args, kwargs), model_device(model))
+            given = inputs.flatten((a, k))
+            versions = [t._version for t in given]  # an in-place write to an input moves its counter
 
             def run():
                 with eval_mode(model), torch.no_grad():
                     model(*a, **k)
             self._restore()
             names = per_call_state(model, run)
+            writes_inputs = any(t._version != v for t, v in zip(given, versions, strict=True))
             self._restore()
         object.__setattr__(self, "_state_names", names)
+        object.__setattr__(self, "_writes_inputs", writes_inputs)
         if names:
             object.__setattr__(self, "_cands", keeping_state(self._cands, names, self.kiln_original,
                                                              self.kiln_report.fallbacks))
+        if writes_inputs:
+            object.__setattr__(self, "_cands", keeping_inputs(self._cands, self.kiln_original,
+                                                              self.kiln_report.fallbacks))
 
     def _mark_verified(self, args, kwargs) -> None:
         self._shapes.add(inputs.signature(args, kwargs))
