@@ -393,8 +393,9 @@ class KilnModule(OwnCalls, OriginalFace):
         if not self._opts["inplace"]:  # inplace: the transformed model is the caller's own
             model = self.kiln_original
             a, k = inputs.to((args, kwargs), model_device(model))
-            given = inputs.flatten((a, k))
-            versions = [t._version for t in given]  # an in-place write to an input moves its counter
+            # an in-place write to an input moves its counter (inference tensors keep none)
+            given = [t for t in inputs.flatten((a, k)) if not t.is_inference()]
+            versions = [t._version for t in given]
 
             def run():
                 with eval_mode(model), torch.no_grad():

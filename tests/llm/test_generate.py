@@ -124,6 +124,16 @@ def _two_models_two_batches():
         assert not fast.kiln_report.fallbacks and len(fast.kiln_report.compile_s) == 2
 
 
+def test_a_model_made_under_inference_mode_decodes():
+    # its parameters are inference tensors, which keep no version counter to read for the weight check
+    with torch.inference_mode():
+        model, ref = build("llama", seed=49), build("llama", seed=49)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False, inplace=True)  # no copy: its own tensors
+    assert fast is model and any(p.is_inference() for p in model.parameters())
+    ids = prompt(seed=50)
+    assert torch.equal(fast.generate(ids, max_new_tokens=5, **GREEDY), ref.generate(ids, max_new_tokens=5, **GREEDY))
+
+
 def test_generate_under_the_callers_autocast_or_inference_mode_compiles_nothing_again():
     """IPEX's run_generation.py calls generate under torch.cpu.amp.autocast(): the decoder computes in the
     dtype it was built in, with autocast off inside. Before, torch.compile compiled every step again at

@@ -498,7 +498,7 @@ def _versions(model: nn.Module) -> int:
     weights in place, but its check against the model's forward was made on the old values (_recheck).
     Counters only grow, so the sum moves exactly when one of them does. (Edits through ``.data`` bypass
     them.)"""
-    return sum(p._version for p in model.parameters())
+    return sum(p._version for p in model.parameters() if not p.is_inference())  # inference tensors keep none
 
 
 def _layout(model: nn.Module) -> tuple:
