@@ -608,7 +608,7 @@ def test_torch_export_of_the_returned_model_traces_the_original_and_leaves_the_s
     m, x = mlp(), torch.randn(4, 32)
     o = tk.optimize(m, sample_input=x, candidates="torchkiln")
     served = o.kiln_report.active
-    ep = torch.export.export(o, (x,))
+    ep = torch.export.export(o, (x,), strict=False)  # torch 2.6 exports strictly by default (dynamo, no break)
     torch.testing.assert_close(ep.module()(x), m(x), rtol=1e-5, atol=1e-6)
     o(x)
     assert o.kiln_report.active == served and any("torch.export" in f.step for f in o.kiln_report.fallbacks)
