@@ -433,6 +433,20 @@ def test_attention_kinds_the_fast_path_does_not_run_go_to_the_stock_path():
     assert fast.kiln_report.path == "stock" and "layer_types" in fast.kiln_report.reason
 
 
+def test_multi_query_attention_in_one_projection_is_told_so():
+    import transformers as T
+
+    if not hasattr(T, "GPTBigCodeForCausalLM"):
+        pytest.skip("this transformers has no GPTBigCode")
+    torch.manual_seed(51)
+    model = T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                       multi_query=True)).eval()
+    with pytest.warns(UserWarning, match="multi-query attention"):  # it said "split_with_sizes expects ..."
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    ids = prompt(seed=52)
+    assert torch.equal(fast.generate(ids, max_new_tokens=4, **GREEDY), model.generate(ids, max_new_tokens=4, **GREEDY))
+
+
 def test_a_mixture_of_experts_model_is_told_so_and_decodes_on_the_stock_path():
     import transformers as T
 

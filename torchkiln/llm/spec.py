@@ -219,6 +219,9 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
     for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
         if _cfg(config, flag):
             raise Unsupported(f"config.{flag} is set (logit soft-capping is not in the fast path)")
+    if getattr(config, "multi_query", False):  # said plainly: the probe prompt failed in split_with_sizes on it
+        raise Unsupported("multi-query attention in one fused projection (config.multi_query, GPTBigCode) is not in "
+                          "the fast path")
     if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(config, "reorder_and_upcast_attn", False):
         raise Unsupported("GPT-2 attention variants (scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn)")
 
