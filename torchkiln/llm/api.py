@@ -293,8 +293,8 @@ class FastGenerate:
 
     def __init__(self, model):
         self.model = model
-        self.__signature__ = inspect.signature(_generate).replace(
-            parameters=list(inspect.signature(_generate).parameters.values())[1:])
+        sig = inspect.signature(_generate)
+        self.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])  # without the model
         self.__doc__ = _generate.__doc__
 
     def __call__(self, *args, **kwargs):
@@ -422,9 +422,10 @@ def _generate(self, inputs=None, generation_config=None, streamer=None, **kwargs
     try:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             raise Fallback("inputs= other than a (batch, length) tensor of token ids")
-        if runner is None or _moved(runner) or _reshaped(self, runner) or (report.quant and _rewritten(self, runner)):
+        rewritten = runner is not None and _rewritten(self, runner)
+        if runner is None or _moved(runner) or _reshaped(self, runner) or (report.quant and rewritten):
             runner = _rebuild(self, runner, report)
-        elif _rewritten(self, runner):
+        elif rewritten:
             _recheck(self, runner, report)
         if getattr(runner, "broken", None):
             raise Fallback(runner.broken)

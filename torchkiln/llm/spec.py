@@ -141,24 +141,28 @@ class _Seen(Exception):
     """Stops a probe forward once the first layer's input is seen."""
 
 
-def _windowed(config, n_layers: int, window) -> tuple | None:
-    """Which layers attend through the sliding window, from transformers' ``layer_types`` (None: all of
-    them, or none where there is no window). Mixed types once went unread: every layer got the window,
-    and Qwen2 with ``max_window_layers`` (full attention below it) decoded other tokens than HF's once
-    the sequence passed the window, after a build check too short to see it (a new-user probe,
-    fiftieth session)."""
+def _windowed(config, n_layers: int, window) -> tuple[int | None, tuple | None]:
+    """(the sliding window, which layers attend through it) from transformers' ``layer_types``: the window
+    is None where no layer slides, the layers None where every layer does. Mixed types once went unread:
+    every layer got the window, and Qwen2 with ``max_window_layers`` (full attention below it) decoded other
+    tokens than HF's once the sequence passed the window, after a build check too short to see it (a
+    new-user probe, fiftieth session)."""
+    window = int(window) if window else None
     types = getattr(config, "layer_types", None)
     if types is None:
         if window is not None and getattr(config, "max_window_layers", None) is not None:
             # transformers without layer_types: which side of max_window_layers slides has changed with versions
             raise Unsupported("sliding window on some layers (max_window_layers) without layer_types to say which")
-        return None
+        return window, None
     types = list(types)
     kinds = set(types) - {"full_attention", "sliding_attention"}
     if kinds or len(types) != n_layers:
         raise Unsupported(f"layer_types {sorted(set(types))} over {len(types)} layers (fast path: "
                           f"'full_attention' and 'sliding_attention', one per layer of {n_layers})")
-    return tuple(t == "sliding_attention" for t in types)
+    layers = tuple(t == "sliding_attention" for t in types)
+    if window is None or not any(layers):
+        return None, None
+    return window, None if all(layers) else layers
 
 
 def _embedding_scale(model: nn.Module, embed: nn.Module, first: nn.Module, hidden: int) -> float | None:
@@ -304,7 +308,7 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
     window = _cfg(config, "sliding_window")
     if window is not None and getattr(config, "use_sliding_window", True) is False:
         window = None
-    windowed = _windowed(config, n_layers, window)
+    window, windowed = _windowed(config, n_layers, window)
     spec = DecoderSpec(
         n_layers=n_layers, hidden=hidden, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         vocab=head.out_features, qkv_layout=qkv_layout, qkv_transposed=transposed, mlp=mlp_kind,
@@ -313,9 +317,9 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         parallel_residual=bool(getattr(config, "use_parallel_residual", False)), qk_norm=qk_norm,
         scaling=tuple(scalings), max_positions=int(_cfg(config, "max_position_embeddings", "n_positions",
                                                         default=2048)),
-        sliding_window=int(window) if window and (windowed is None or any(windowed)) else None,
+        sliding_window=window,
         embed_scale=_embedding_scale(model, embed, layers[0], hidden) if positions == "rotary" else None,
-        windowed=windowed if windowed is not None and window and not all(windowed) and any(windowed) else None)
+        windowed=windowed)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
                   rotary.inv_freq if rotary is not None else None,
                   float(getattr(rotary, "attention_scaling", 1.0)) if rotary is not None else 1.0)

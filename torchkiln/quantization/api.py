@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -84,7 +85,7 @@ class QuantizedGraph(nn.Module):
         # torch.export (2.9+) puts the input guards in a submodule whose forward is a local function, which
         # pickle cannot save: it raised "Can't pickle local object 'wrap_dunder_call_ctx_manager...'" (a new-
         # user probe, fiftieth session). Said plainly, with the way that works; deepcopy still copies.
-        if any(type(m.__dict__.get("forward")).__name__ == "function" for m in self.graph.modules()):
+        if any(isinstance(m.__dict__.get("forward"), types.FunctionType) for m in self.graph.modules()):
             raise TypeError(f"a {self.kiln_quant.config.scheme}-quantized model holds torch.export's guard "
                             "function, which pickle (and torch.save of the model object) cannot save: "
                             "tk.quantization.save(model, path) writes it without pickle, and "
