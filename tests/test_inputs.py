@@ -83,3 +83,11 @@ def test_call_signatures_tell_call_forms_apart_and_the_one_tensor_path_agrees_wi
     distinct = [sig((x,), {}), sig((x.double(),), {}), sig((x[:1],), {}), sig((), {"x": x}), sig((x, 1), {}),
                 sig((x, 2), {}), sig((x,), {"flag": True}), sig((x,), {"flag": False}), sig((x, None), {})]
     assert len(set(distinct)) == len(distinct)
+
+
+def test_detach_keeps_a_tensor_passed_twice_one_tensor():
+    w = torch.ones(3, requires_grad=True)
+    x = w * 2
+    args, kwargs = inputs.detach(((x, x), {"labels": x, "other": w * 3}))
+    assert args[0] is args[1] is kwargs["labels"] and not args[0].requires_grad
+    assert kwargs["other"] is not args[0] and torch.equal(kwargs["other"], torch.full((3,), 3.0))

@@ -56,6 +56,21 @@ def tree_map(fn, obj):
     return pytree.tree_map_only(torch.Tensor, fn, obj)
 
 
+def detach(obj):
+    """``tree_map(Tensor.detach, obj)`` that keeps aliasing: a tensor passed twice (transformers'
+    ``labels=input_ids``) stays one tensor. dynamo guards on it ("Duplicate tensors found"), so with
+    the two detached apart, the training setup compiled its step for two tensors and the loop's first
+    call compiled it a third time (a tiny BERT under TORCH_LOGS=recompiles, fifty-first session)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def one(t):
+        d = memo.get(id(t))
+        if d is None:
+            d = memo[id(t)] = t.detach()
+        return d
+    return tree_map(one, obj)
+
+
 def clone(obj):
     """``tree_map(torch.clone, obj)`` for a model's outputs (``map_tensors`` says why not pytree)."""
     return map_tensors(torch.clone, obj)

@@ -180,7 +180,7 @@ class Prepared(nn.Module):
 
 
 def _detach(args: inputs.Args) -> inputs.Args:
-    return inputs.tree_map(lambda t: t.detach(), args)
+    return inputs.detach(args)
 
 
 def _observed(model, config, sample, device, smooth, merge_linears: bool = True) -> nn.Module:

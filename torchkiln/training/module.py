@@ -239,7 +239,7 @@ class TrainModule(OriginalFace):
     def _setup(self, args, kwargs) -> None:
         """Verify the compiled steps against eager, time those that pass with eager, serve the fastest."""
         report, t0 = self.kiln_report, time.perf_counter()
-        args, kwargs = inputs.tree_map(lambda t: t.detach(), (args, kwargs))
+        args, kwargs = inputs.detach((args, kwargs))
         cands = {"eager": self._eager, "compiled": self._compiled}
         if self._graphs is not None:
             cands["graphs"] = self._graphs
