@@ -160,6 +160,7 @@ def _load() -> None:
         concat_linear,
         fold_conv_bn,
         fold_linear_bn,
+        full_mask,
         gelu_epilogue,
         global_avg_pool,
         hash_dropout,

@@ -33,6 +33,8 @@ from ..guard import Verdict, compare_each, tf32_allowed, tolerances
 from ..modelutil import DTYPES, dtype_name, first_line, has_conv, is_oom, model_dtype
 from ..passes import registry
 from ..passes.compile import Fresh
+from ..passes.full_mask import FullMaskPass
+from ..passes.hash_dropout import HashDropoutPass
 from ..report import Fallback, Measurement, Report
 from ..runtime import allocator
 from ..timing import interleaved
@@ -288,9 +290,16 @@ class TrainModule(OriginalFace):
                 report.verified_shapes, report.error, report.tolerance = 1, error, tolerance
         if best != "eager" and isinstance(self._compiled, OneGraph):
             report.applied.append("one graph under DDP (optimize_ddp=False: all-reduces after the backward)")
-        if best != "eager" and "hash_dropout" in [p.name for p in rec.passes]:
-            n = getattr(self._graph_pass, "rewritten", 0)  # 0 also when the graph came from inductor's cache
-            report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the compiled step)")
+        if best != "eager":  # counts stay 0 when the graph came from inductor's cache
+            graph_passes = getattr(self._graph_pass, "passes", [self._graph_pass])
+            for p in graph_passes:
+                if isinstance(p, HashDropoutPass):
+                    n = p.rewritten
+                    report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the "
+                                          "compiled step)")
+                elif isinstance(p, FullMaskPass) and p.fused:
+                    report.applied.append(f"full_mask (attention masks that mask nothing dropped at {p.fused} SDPA "
+                                          "sites over the step's compiles: SDPA keeps its fused kernels)")
         report.dtype_served = rec.dtype
         if best == "eager" and len(passed) > 1:
             warn_once(f"train-eager:{self._uid}", "torchkiln: the compiled training step was not faster than "

@@ -95,9 +95,9 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
         notes.append("graph_mode=False: eager forward and backward")
     kind, why = optimizer_note
     notes.append(f"optimizer: {why}")
-    passes = ()
+    passes = (registry.make("full_mask"),) if compile_ else ()  # passes/full_mask.py: bert-large on the H200
     if compile_ and torch.device(device).type == "cpu":
-        passes = (registry.make("hash_dropout"),)
+        passes += (registry.make("hash_dropout"),)
         notes.append("dropout in the compiled step: masks from a counter hash, not inductor's per-element Philox "
                      "(bert-base bs8: 0.65 s of a 3.4 s step on 2 cores; passes/hash_dropout.py)")
     # O2 only: on the H200, GPT-2-medium bs16 seq512's step under CUDA graphs timed 51.95 ms against the plain
