@@ -614,6 +614,25 @@ def test_torch_export_of_the_returned_model_traces_the_original_and_leaves_the_s
     assert o.kiln_report.active == served and any("torch.export" in f.step for f in o.kiln_report.fallbacks)
 
 
+def test_a_compile_in_another_thread_leaves_calls_on_the_served_form(monkeypatch):
+    # torch.compiler.is_compiling() is one process-wide flag, set while any thread compiles: calls from other
+    # threads ran the original then, with a warning about torch.export (a new-user probe, fifty-first session)
+    import torch.compiler
+
+    from torchkiln.owncalls import under_tracer
+
+    m, x = mlp(), torch.randn(4, 32)
+    o = tk.optimize(m, sample_input=x, candidates="torchkiln")
+    served = o.kiln_report.active
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling() and not under_tracer()
+    torch.testing.assert_close(o(x), m(x), rtol=1e-5, atol=1e-6)
+    assert o.kiln_report.active == served and not o.kiln_report.fallbacks
+    monkeypatch.undo()
+    traced = torch.compile(lambda: under_tracer(), backend="eager", fullgraph=True)
+    assert traced() is True and under_tracer() is False  # dynamo's own trace still counts
+
+
 class _DoublesItsInput(nn.Module):
     def __init__(self):
         super().__init__()
