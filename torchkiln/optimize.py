@@ -228,7 +228,7 @@ class KilnModule(OwnCalls, OriginalFace):
                         return self._step_down(args, kwargs, f"{type(e).__name__}: {first_line(e)}",
                                                detour=inputs.signature(args, kwargs) not in self._shapes,
                                                until=self._transient(e, args, kwargs))
-            return self.forward(*args, **kwargs)
+            return self._again(*args, **kwargs)
         if late and self._stale():
             return self._refreshed(args, kwargs)
         return out
@@ -244,7 +244,7 @@ class KilnModule(OwnCalls, OriginalFace):
         if torch.get_autocast_dtype(device) != dtype:
             return self._own_call(args, kwargs, "autocast")
         with torch.autocast(device, enabled=False):
-            return self.forward(*args, **kwargs)
+            return self._again(*args, **kwargs)
 
     def _out_of_inference_mode(self, args, kwargs):
         """A call under ``torch.inference_mode()`` (serving stacks' usual context, where selection and
@@ -255,7 +255,7 @@ class KilnModule(OwnCalls, OriginalFace):
         outputs are then ordinary tensors. Inputs changed in place by the model change the copies."""
         with torch.inference_mode(False), torch.no_grad():
             args, kwargs = inputs.out_of_inference((args, kwargs))
-            return self.forward(*args, **kwargs)
+            return self._again(*args, **kwargs)
 
     def _refresh(self, args, kwargs):
         """Set up (first call) or rebuild (the original's weights changed) and answer this call;
@@ -285,7 +285,7 @@ class KilnModule(OwnCalls, OriginalFace):
 
     def _refreshed(self, args, kwargs):
         out = self._refresh(args, kwargs)
-        return self.forward(*args, **kwargs) if out is _RACED else out
+        return self._again(*args, **kwargs) if out is _RACED else out
 
     @contextlib.contextmanager
     def _pristine(self, args, kwargs):

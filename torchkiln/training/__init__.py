@@ -112,9 +112,12 @@ def _validate(model: nn.Module, optimizer) -> None:
     theirs = [p for g in optimizer.param_groups for p in g["params"]]
     if not theirs:
         raise ValueError("optimizer= holds no parameters; build it over model.parameters()")
+    # Some parameters besides the model's (a learnable loss temperature) are the user's business: eager
+    # trains them, and so does this optimizer (refusing them, a new-user probe found, fifty-first session,
+    # while add_param_group after the call took them). None of the model's is a mistake.
     foreign = sum(id(p) not in mine for p in theirs)
-    if foreign:
+    if foreign == len(theirs):
         cls = type(optimizer)
         name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim") else cls.__qualname__
-        raise ValueError(f"optimizer= holds {foreign} of {len(theirs)} parameters that are not the model's; build "
+        raise ValueError(f"optimizer= holds none of the model's parameters ({foreign} others); build "
                          f"it over this model's parameters: {name}(model.parameters(), ...)")

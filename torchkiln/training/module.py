@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -92,6 +93,7 @@ class TrainModule(OriginalFace):
         s(self, "_opts", {"verify": verify, "time_budget": time_budget})
         s(self, "_lock", threading.Lock())
         s(self, "_uid", next(_ids))
+        self._show_signature()  # HF Trainer picks the columns it passes by forward's parameters
         self._build()
         self.training = original.training
 
@@ -145,6 +147,7 @@ class TrainModule(OriginalFace):
                      ("kiln_report", state["report"]), ("_opts", state["opts"]), ("_lock", threading.Lock()),
                      ("_uid", next(_ids))):
             s(self, k, v)
+        self._show_signature()
         self._build()
         self.training = state["training"]
 
@@ -169,6 +172,20 @@ class TrainModule(OriginalFace):
         with self._split.masters():  # float32 values land in float32 masters, then split again
             return self.kiln_original.load_state_dict(state_dict, strict=strict)
 
+    def _attr(self, name: str, attr):
+        if name == "save_pretrained" and callable(attr) and self._split is not None:
+            # transformers writes the original's state_dict: with split weights, the bf16 halves (3.8e-3 off the
+            # masters, and a bf16 config; a new-user probe, fifty-first session). The exact float32 masters
+            # are put in place while it writes, as state_dict() returns them.
+            split = self._split
+
+            @functools.wraps(attr)
+            def save_pretrained(*args, **kwargs):
+                with split.masters() if split.active else contextlib.nullcontext():
+                    return attr(*args, **kwargs)
+            return save_pretrained
+        return attr
+
     def train(self, mode: bool = True):
         self.kiln_original.train(mode)
         self.training = mode
@@ -183,7 +200,7 @@ class TrainModule(OriginalFace):
             # recompile stall, a graph never verified) when calls with and without it mixed. Another dtype
             # is the caller's own mixed precision, left to autocast and torch.compile as stock.
             with torch.autocast(device, enabled=False):
-                return self.forward(*args, **kwargs)
+                return self._again(*args, **kwargs)
         if self._fn is None and self._compiled is not None and self.kiln_original.training \
                 and torch.is_grad_enabled():
             with self._lock:
