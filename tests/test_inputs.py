@@ -91,3 +91,10 @@ def test_detach_keeps_a_tensor_passed_twice_one_tensor():
     args, kwargs = inputs.detach(((x, x), {"labels": x, "other": w * 3}))
     assert args[0] is args[1] is kwargs["labels"] and not args[0].requires_grad
     assert kwargs["other"] is not args[0] and torch.equal(kwargs["other"], torch.full((3,), 3.0))
+
+
+def test_describe_names_a_call_form_by_shapes_values_and_types():
+    ids = torch.zeros(3, 43, dtype=torch.long)
+    got = inputs.describe((ids,), {"attention_mask": ids, "return_dict": True, "cache": object()})
+    assert got == "[3, 43], attention_mask [3, 43], return_dict=True, cache=<object>"
+    assert inputs.describe((), {}) == "no arguments"

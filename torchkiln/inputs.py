@@ -49,6 +49,18 @@ def signature(args, kwargs) -> tuple:
     return tuple([_arg_signature(a) for a in args])
 
 
+def describe(args, kwargs) -> str:
+    """A call form as a person reads it (the one ``signature`` keys on): tensors by shape, plain values
+    by value, other objects by type: ``[3, 43], attention_mask [3, 43], return_dict=True``."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return str(list(v.shape))
+        return repr(v) if type(v) in PLAIN else f"<{type(v).__name__}>"
+    parts = [one(a) for a in args]
+    parts += [f"{k} {one(v)}" if isinstance(v, torch.Tensor) else f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts) or "no arguments"
+
+
 def tree_map(fn, obj):
     """Apply ``fn`` to every tensor in nested containers. torch's pytree is used
     because dynamo traces it without graph breaks and transformers registers its

@@ -887,8 +887,9 @@ class KilnModule(OwnCalls, OriginalFace):
         """Serve this call form with ``cand`` from now on (or while ``until()``); the served candidate
         stays for the rest. ``failed=False``: not a failure, ``cand`` is faster on it (_slower_than_given)."""
         here = self._served.name
-        form = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if not isinstance(v, torch.Tensor)) or \
-            "this input signature"
+        # the detour is keyed on the whole signature, shapes included: named by its flags alone, two shapes'
+        # detours read as one for every call with return_dict=True (a new-user probe, fifty-first session)
+        form = inputs.describe(args, kwargs)
         self.kiln_report.fallbacks.append(Fallback(here, cand.name, f"for calls with {form} only: {reason}"))
         warn_once(f"detour:{here}:{form}", f"torchkiln: calls with {form} go to {cand.name} ({here} "
                   f"{'failed' if failed else 'was slower'} on them: {reason}); other calls stay on {here}", owner=self)
