@@ -90,19 +90,37 @@ def test_a_mask_that_masks_something_or_cannot_be_known_stays(kind):
         torch.testing.assert_close(out, model(x, pad), rtol=1e-5, atol=1e-6)
 
 
-def test_the_training_step_drops_it_and_says_so(monkeypatch):
+def test_the_training_step_drops_it_and_says_so():
     from torch._inductor import config
 
-    for cache in ("fx_graph_cache", "autograd_cache"):  # a cached graph skips the pass, and its count
-        if hasattr(config, cache):
-            monkeypatch.setattr(config, cache, False)
+    # a cached graph skips the pass, and its count (torch 2.6 has no autograd_cache)
+    fresh = {k: False for k in ("fx_graph_cache", "autograd_cache") if hasattr(config, k)}
     model = Attention("all", dropout=0.1).train()
     x, pad = data()
     fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
     assert "full_mask" in [p["pass"] for p in fast.kiln_report.recipe["passes"]]
-    fast(x, pad).sum().backward()
+    with config.patch(fresh):
+        fast(x, pad).sum().backward()
     compiled = next(m for m in fast.kiln_report.candidates if m.kind == "torchkiln")
     assert compiled.status in ("served", "passed"), compiled.reason  # the guard compared it with eager's mask
     pass_ = fast._graph_pass.passes[0] if hasattr(fast._graph_pass, "passes") else fast._graph_pass
     assert isinstance(pass_, full_mask.FullMaskPass) and pass_.fused >= 1
     assert any(a.startswith("full_mask") for a in fast.kiln_report.applied) == (compiled.status == "served")
+
+
+def test_where_torch_drops_the_pass_option_the_step_runs_under_a_patch_that_holds_it(monkeypatch):
+    # torch 2.6 drops pre_grad_custom_pass from torch.compile(options=...) silently: no graph pass ran
+    from torch._inductor import config
+
+    from torchkiln.training import module
+
+    monkeypatch.setattr(module, "_custom_pass_option_kept", lambda: False)
+    fresh = {k: False for k in ("fx_graph_cache", "autograd_cache") if hasattr(config, k)}
+    model = Attention("all", dropout=0.1).train()
+    x, pad = data()
+    fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+    assert isinstance(fast._compiled, module._Patched)
+    with config.patch(fresh):
+        fast(x, pad).sum().backward()
+    pass_ = fast._graph_pass.passes[0] if hasattr(fast._graph_pass, "passes") else fast._graph_pass
+    assert pass_.fused >= 1 and config.pre_grad_custom_pass is None  # ran, and the patch is gone after

@@ -105,12 +105,12 @@ class TrainModule(OriginalFace):
         s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
-        compiled = torch.compile(Fresh(self._eager), options=opts) if rec.compile else None
+        compiled = _compile(Fresh(self._eager), opts) if rec.compile else None
         if compiled is not None and _under_ddp(self.kiln_original):
             compiled = OneGraph(compiled)
         graphs = None
         if compiled is not None and rec.graphs:
-            replayed = torch.compile(Fresh(self._eager), options={**(opts or {}), "triton.cudagraphs": True})
+            replayed = _compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True})
             graphs = GraphedStep(replayed, probe.trainable(self.kiln_original))
         s(self, "_compiled", compiled)
         s(self, "_graphs", graphs)
@@ -476,6 +476,45 @@ class TrainModule(OriginalFace):
     def extra_repr(self) -> str:
         return f"training, device={self.kiln_recipe.device}, dtype={self.kiln_recipe.dtype}, " \
                f"active={self.kiln_report.active!r}"
+
+
+def _compile(fn, options: dict | None):
+    """torch.compile with inductor options; on a torch that drops the graph pass among them, the
+    compiled step runs under a config patch that holds it (the forward's compile, where pre-grad passes
+    run; the backward's compile needs none)."""
+    compiled = torch.compile(fn, options=options)
+    if options and "pre_grad_custom_pass" in options and not _custom_pass_option_kept():
+        return _Patched(compiled, {"pre_grad_custom_pass": options["pre_grad_custom_pass"]})
+    return compiled
+
+
+@functools.cache
+def _custom_pass_option_kept() -> bool:
+    """torch 2.6 drops ``pre_grad_custom_pass`` given in ``torch.compile(options=...)`` without a word (its
+    option check skips generic types, and the assignment with it), so no graph pass (full_mask,
+    hash_dropout) ran in its compiled training steps (seen in the fifty-first session)."""
+    try:
+        wrapper = torch._TorchCompileInductorWrapper("default", {"pre_grad_custom_pass": None}, None)
+    except Exception:  # noqa: BLE001 - a torch without this wrapper: patch, which every torch honours
+        return False
+    return "pre_grad_custom_pass" in wrapper.config
+
+
+class _Patched:
+    """A compiled step called under inductor config patches (process-wide on torch < 2.13, like OneGraph's
+    dynamo patch: a training loop calls from one thread)."""
+
+    def __init__(self, fn, options: dict):
+        self.fn, self.options = fn, options
+
+    def __call__(self, *args, **kwargs):
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(self.options):
+            return self.fn(*args, **kwargs)
+
+    def __getattr__(self, name):  # the compiled module's own (``_orig_mod``, ...)
+        return getattr(self.__dict__["fn"], name)
 
 
 class OneGraph:
