@@ -48,10 +48,11 @@ _OWN_CALLS = {
                  "would make torch.compile recompile it, unverified, at the first such call; tk.optimize(model, "
                  "dtype=<autocast's dtype>) serves that precision fast (with or without autocast around the calls)"),
     "cache": ("calls given a KV cache (past_key_values and the like)", "the original model (eager)",
-              "the cache is state the call appends to in place: a compiled form that failed on such a call after "
-              "appending left the cache a step ahead of eager's, and the original then answered from it (GPT-2: "
-              "logits 0.85 off, the cache twice as long; a new-user probe, fiftieth session); model.generate() of "
-              "a decoder runs torchkiln's own decoder, and calls without a cache get the fast path"),
+              # GPT-2: a compiled form failing after it appended left the cache a step ahead, and the original
+              # then answered from it, logits 0.85 off (a new-user probe, fiftieth session)
+              "the cache is state the call appends to in place, which a compiled form failing part-way would "
+              "leave changed; model.generate() of a decoder runs torchkiln's own decoder, and calls without a "
+              "cache get the fast path"),
     "tracing": ("calls traced by torch.export or another fake-tensor tracer", "the original model (traced)",
                 "the optimized forms hold real weights and compiled kernels a tracer cannot run; export the "
                 "original, model.kiln_original"),
