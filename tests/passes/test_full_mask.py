@@ -125,3 +125,12 @@ def test_where_torch_drops_the_pass_option_the_step_runs_under_a_patch_that_hold
         fast(x, pad).sum().backward()
     pass_ = fast._graph_pass.passes[0] if hasattr(fast._graph_pass, "passes") else fast._graph_pass
     assert pass_.fused >= 1 and config.pre_grad_custom_pass is before  # ran, and the patch is gone after
+
+
+def test_a_mask_too_large_to_evaluate_at_compile_time_stays(monkeypatch):
+    monkeypatch.setattr(full_mask, "_MAX_ELEMENTS", 2 * 6 * 6 - 1)  # the test mask is 2 x 1 x 6 x 6
+    model = Attention("all").eval()
+    x, pad = data()
+    out, masks, n = captured(model, x, pad)
+    assert n == 0 and masks[0] is not None
+    torch.testing.assert_close(out, model(x, pad), rtol=1e-5, atol=1e-6)

@@ -95,6 +95,9 @@ def rewrite(graph: torch.fx.Graph) -> int:
         mask, q, k = b.get("attn_mask"), _example(b.get("query")), _example(b.get("key"))
         if not isinstance(mask, torch.fx.Node) or q is None or k is None or b.get("is_causal") is not False:
             continue
+        shown = _example(mask)  # what tracing saw: a mask too large to evaluate at compile time is left alone
+        if shown is not None and shown.numel() > _MAX_ELEMENTS:
+            continue
         nodes = _ancestors(mask)
         if nodes is None or len(nodes) > 64:
             continue
