@@ -7,7 +7,7 @@ from torch import nn
 
 import torchkiln as tk
 from torchkiln.passes import full_mask
-from torchkiln.passes.hash_dropout import _SDPA
+from torchkiln.passes.sdpa_math import SDPA
 
 
 class Attention(nn.Module):
@@ -58,7 +58,7 @@ def captured(model, *args):
     except RuntimeError as e:  # as eager raises it (a mask wider than the scores)
         out = e
     (gm, n), = graphs
-    masks = [nd.kwargs.get("attn_mask") for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in _SDPA]
+    masks = [nd.kwargs.get("attn_mask") for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in SDPA]
     return out, masks, n
 
 

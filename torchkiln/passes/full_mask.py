@@ -24,9 +24,9 @@ from typing import ClassVar
 import torch
 from torch.fx.node import map_arg
 
-from .hash_dropout import _SDPA
+from .fxargs import traced
 from .registry import CountingPass, register_graph_only
-from .sdpa_math import bind_sdpa
+from .sdpa_math import SDPA, bind_sdpa
 
 try:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -37,11 +37,6 @@ except ImportError:  # pragma: no cover (every supported torch has it)
 _UNSTABLE = ("rand", "normal", "bernoulli", "multinomial", "uniform", "empty", "dropout", "poisson", "exponential",
              "geometric", "cauchy", "seed")
 _MAX_ELEMENTS = 1 << 26  # larger masks are not evaluated at compile time
-
-
-def _example(node):
-    val = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _ancestors(mask: torch.fx.Node) -> set | None:
@@ -89,13 +84,13 @@ def rewrite(graph: torch.fx.Graph) -> int:
     """Drops constant all-attend masks from the graph's SDPA calls; returns how many."""
     dropped = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA or len(node.args) > 8:
+        if node.op != "call_function" or node.target not in SDPA or len(node.args) > 8:
             continue
         b = bind_sdpa(node.args, node.kwargs)
-        mask, q, k = b.get("attn_mask"), _example(b.get("query")), _example(b.get("key"))
+        mask, q, k = b.get("attn_mask"), traced(b.get("query")), traced(b.get("key"))
         if not isinstance(mask, torch.fx.Node) or q is None or k is None or b.get("is_causal") is not False:
             continue
-        shown = _example(mask)  # what tracing saw: a mask too large to evaluate at compile time is left alone
+        shown = traced(mask)  # what tracing saw: a mask too large to evaluate at compile time is left alone
         if shown is not None and shown.numel() > _MAX_ELEMENTS:
             continue
         nodes = _ancestors(mask)

@@ -1,5 +1,5 @@
 """A graph node's call arguments by name, shared by the passes that read ATen or torch calls
-(onednn_conv_net, global_avg_pool, quantization/conv_padding)."""
+(onednn_conv_net, global_avg_pool, quantization/conv_padding), and what tracing saw at a node."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import inspect
 
 import torch
 from torch import fx
+
+
+def traced(node) -> torch.Tensor | None:
+    """The tensor tracing saw at ``node`` (dynamo's ``example_value``, an exported graph's ``val``), or None."""
+    v = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def pair(v) -> tuple:

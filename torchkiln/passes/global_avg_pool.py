@@ -17,15 +17,15 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .fxargs import call_args, pair
+from .fxargs import call_args, pair, traced
 from .registry import CountingPass, register_graph_only
 
 _AVG = (torch._C._nn.avg_pool2d, torch.ops.aten.avg_pool2d.default)
 
 
 def _shape(node) -> tuple | None:
-    v = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    v = traced(node)
+    return tuple(v.shape) if v is not None else None
 
 
 def _whole(node: torch.fx.Node) -> bool:

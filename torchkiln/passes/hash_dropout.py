@@ -30,8 +30,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .fxargs import traced
 from .registry import GraphPass, register_graph_only
-from .sdpa_math import bind_sdpa, math_attention
+from .sdpa_math import SDPA, bind_sdpa, math_attention
 
 _M1, _M2 = 0x7FEB352D, 0x846CA68B - (1 << 32)  # lowbias32's multipliers, as int32
 _BITS = 24  # the hash bits compared with the drop probability
@@ -73,7 +74,6 @@ def new_seeds(n: int, device) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31 - 1, (n, 2), dtype=torch.int32, device=device)
 
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _DROPOUT_ARGS = ("input", "p", "training", "inplace")
 
 
@@ -91,7 +91,7 @@ def _dropout_site(node) -> dict | None:
 
 
 def _attention_site(node) -> dict | None:
-    if node.op != "call_function" or node.target not in _SDPA:
+    if node.op != "call_function" or node.target not in SDPA:
         return None
     b = bind_sdpa(node.args, node.kwargs)
     if len(node.args) > 8 or "query" not in b or "key" not in b or "value" not in b:
@@ -103,8 +103,8 @@ def _attention_site(node) -> dict | None:
 
 
 def _device(node) -> torch.device | None:
-    val = node.meta.get("example_value")
-    return val.device if isinstance(val, torch.Tensor) else None
+    val = traced(node)
+    return val.device if val is not None else None
 
 
 def rewrite(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cpu",), attention: bool = True) -> int:

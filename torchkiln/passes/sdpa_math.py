@@ -249,6 +249,9 @@ def _fused_loads() -> bool:
     return cpu_attention.load() is None
 
 
+SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)  # as graphs call it
+
+
 def bind_sdpa(args, kwargs) -> dict:
     """SDPA's arguments by name, defaults filled in."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

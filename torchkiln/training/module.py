@@ -484,7 +484,9 @@ def _compile(fn, options: dict | None):
     run; the backward's compile needs none)."""
     compiled = torch.compile(fn, options=options)
     if options and "pre_grad_custom_pass" in options and not _custom_pass_option_kept():
-        return _Patched(compiled, {"pre_grad_custom_pass": options["pre_grad_custom_pass"]})
+        import torch._inductor.config as inductor_config
+
+        return _Patched(compiled, inductor_config, {"pre_grad_custom_pass": options["pre_grad_custom_pass"]})
     return compiled
 
 
@@ -501,23 +503,21 @@ def _custom_pass_option_kept() -> bool:
 
 
 class _Patched:
-    """A compiled step called under inductor config patches (process-wide on torch < 2.13, like OneGraph's
-    dynamo patch: a training loop calls from one thread)."""
+    """A compiled step called under a torch config module's patch (inductor's, dynamo's), read when the
+    call compiles; process-wide on torch < 2.13 while it lasts: a training loop calls from one thread."""
 
-    def __init__(self, fn, options: dict):
-        self.fn, self.options = fn, options
+    def __init__(self, fn, config, options: dict):
+        self.fn, self.config, self.options = fn, config, options
 
     def __call__(self, *args, **kwargs):
-        import torch._inductor.config as inductor_config
-
-        with inductor_config.patch(self.options):
+        with self.config.patch(self.options):
             return self.fn(*args, **kwargs)
 
     def __getattr__(self, name):  # the compiled module's own (``_orig_mod``, ...)
         return getattr(self.__dict__["fn"], name)
 
 
-class OneGraph:
+class OneGraph(_Patched):
     """The compiled step under DDP, compiled with ``optimize_ddp=False``: dynamo traces the step as one
     graph instead of one per gradient bucket (DDPOptimizer), and the all-reduces run after the
     backward instead of overlapping it. GPT-2-medium bs16 seq512 bf16 on H200s, ms per step: one
@@ -531,13 +531,9 @@ class OneGraph:
     training loop calls from one thread."""
 
     def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
         import torch._dynamo
 
-        with torch._dynamo.config.patch(optimize_ddp=False):
-            return self.fn(*args, **kwargs)
+        super().__init__(fn, torch._dynamo.config, {"optimize_ddp": False})
 
 
 def _under_ddp(model: nn.Module) -> bool:
