@@ -713,6 +713,46 @@ def test_labels_that_are_the_input_ids_compile_no_new_graph_in_the_loop(monkeypa
     assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
+class WarnsOnce(TokenLoss):
+    """GPT-2's ``loss_function`` calls transformers' ``logger.warning_once`` on every call (its loss_type is
+    unset), a graph break for dynamo."""
+
+    def forward(self, input_ids, labels):
+        hidden = self.emb(input_ids)
+        self.logger.warning_once(self.message)
+        return nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), labels.flatten())
+
+
+def test_a_once_only_transformers_warning_breaks_no_graph_in_the_step_of_any_model(monkeypatch, caplog):
+    # With the graph break, each model's step left the model class's own frames compiled apart, two cache
+    # entries per model on frames every model of the class shares: the fifth model hit dynamo's recompile
+    # limit (8) and ran them eager while its report said compiled.
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(TrainModule, "_time", lambda self, fns, by, args, kwargs: "compiled")
+    transformers = pytest.importorskip("transformers")
+    WarnsOnce.logger = transformers.utils.logging.get_logger("torchkiln.tests")  # at module level, as HF does
+    WarnsOnce.message = f"loss_type unset ({id(caplog)})"  # warning_once is lru-cached per message
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    added = []
+    for _ in range(5):
+        model = WarnsOnce().train()
+        ref = copy.deepcopy(model)
+        graphs = counters["stats"]["unique_graphs"]
+        fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            for m, o in ((fast, opt), (ref, ref_opt)):
+                o.zero_grad()
+                m(ids, ids).backward()
+                o.step()
+        added.append(counters["stats"]["unique_graphs"] - graphs)
+        assert fast.kiln_report.active.startswith("compiled"), fast.kiln_report
+        torch.testing.assert_close(fast.head.weight, ref.head.weight, rtol=1e-5, atol=1e-6)
+    assert added == [1] * 5, added  # one graph for each model's step, the fifth's included (not 2: the break's)
+    assert [r.getMessage() for r in caplog.records].count(WarnsOnce.message) == 1  # printed once, by eager
+
+
 def test_the_margin_over_eager_is_2x_for_gradients_and_a_quarter_for_outputs():
     from types import SimpleNamespace as E
 

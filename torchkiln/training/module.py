@@ -21,6 +21,7 @@ import gc
 import itertools
 import logging
 import statistics
+import sys
 import threading
 import time
 
@@ -105,12 +106,12 @@ class TrainModule(OriginalFace):
         s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
-        compiled = _compile(Fresh(self._eager), opts) if rec.compile else None
+        compiled = _quiet(_compile(Fresh(self._eager), opts)) if rec.compile else None
         if compiled is not None and _under_ddp(self.kiln_original):
             compiled = OneGraph(compiled)
         graphs = None
         if compiled is not None and rec.graphs:
-            replayed = _compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True})
+            replayed = _quiet(_compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True}))
             graphs = GraphedStep(replayed, probe.trainable(self.kiln_original))
         s(self, "_compiled", compiled)
         s(self, "_graphs", graphs)
@@ -500,6 +501,28 @@ def _custom_pass_option_kept() -> bool:
     except Exception:  # noqa: BLE001 - a torch without this wrapper: patch, which every torch honours
         return False
     return "pre_grad_custom_pass" in wrapper.config
+
+
+def _quiet(compiled):
+    """The compiled step with transformers' once-only log calls (``logger.warning_once``, ``info_once``) as
+    no-ops while dynamo traces it. Each was a graph break: GPT-2's ``loss_function`` warns once per call
+    that its ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels
+    compiled as five graphs plus the model's nested frames compiled on their own. Those frames' code is
+    the model class's, shared by every model of the class in the process, and each optimized model added
+    two cache entries there (its own backend, and the guard's dropout-off compile): the fifth GPT-2
+    optimized in one process hit dynamo's recompile limit (8) and ran those frames eager while the
+    report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session). The message is
+    not lost: the float32 and eager reference steps run the model eagerly first, and an lru-cached once-only
+    call prints nothing after its first. Other log calls keep their graph break (and print)."""
+    import torch._dynamo.config as dynamo_config
+
+    hf = sys.modules.get("transformers.utils.logging")
+    once = {f for f in (getattr(hf, "warning_once", None), getattr(hf, "info_once", None)) if f is not None}
+    # torch 2.6 names the set ignore_logger_methods; later torch ignore_logging_functions (the old name an alias)
+    key = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, k)), None)
+    if compiled is None or not once or key is None:
+        return compiled
+    return _Patched(compiled, dynamo_config, {key: set(getattr(dynamo_config, key)) | once})
 
 
 class _Patched:
