@@ -171,6 +171,9 @@ def test_a_model_cast_to_bf16_is_checked_against_itself_and_said_so():
             o.step()
     rep = fast.kiln_report
     assert rep.guard["ok"] and rep.guard["reference"].startswith("eager bfloat16"), rep.guard
+    # the report and recipe name the dtype it trains in (they read float32 and "fp32")
+    assert (fast.kiln_recipe.dtype, fast.kiln_recipe.precision, rep.dtype_served) == ("bfloat16", "params", "bfloat16")
+    assert rep.active.endswith("(bfloat16)") and rep.applied[0] == "bfloat16 parameters (as given)", rep
     assert not any("tolerance" in f.reason for f in rep.fallbacks), rep.fallbacks
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):  # bf16 rounding apart
         assert p.dtype == torch.bfloat16

@@ -60,14 +60,16 @@ def optimize_training(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=
     no_keep = _allocator.why_not() if recipe.allocator == "keep" else None
     if no_keep:
         recipe = dataclasses.replace(recipe, allocator="default", notes=(*recipe.notes, f"allocator: left as it is: {no_keep}"))
-    if recipe.dtype != str(compute).removeprefix("torch."):
+    if recipe.precision != "params" and recipe.dtype != str(compute).removeprefix("torch."):
         warn_once(f"train-dtype:{compute}:{dev}", "torchkiln: " + recipe.notes[0])
     if kind == "own step":
         warn_once(f"train-opt:{type(optimizer).__name__}", f"torchkiln: {why}")
     if kind == "fused":
         _fuse.fuse(optimizer)
     _DONE.add(optimizer)
-    applied = [f"{recipe.precision} {recipe.dtype}", f"optimizer {recipe.optimizer}"]
+    precision = f"{recipe.dtype} parameters (as given)" if recipe.precision == "params" else \
+        f"{recipe.precision} {recipe.dtype}"
+    applied = [precision, f"optimizer {recipe.optimizer}"]
     splitter = None
     if split:
         splitter = _split.SplitWeights(split, optimizer)

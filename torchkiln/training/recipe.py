@@ -34,7 +34,7 @@ class TrainRecipe:
     device: str = "cpu"
     level: str = "O1"
     dtype: str = "float32"  # compute dtype under autocast (float32: no autocast)
-    precision: str = "fp32"  # fp32 | autocast
+    precision: str = "fp32"  # fp32 | autocast | params (the model's own bf16/fp16 parameters, no autocast)
     loss_scaling: bool = False  # fp16: gradients need a GradScaler
     compile: bool = True  # a compiled forward+backward is a candidate (timed against eager)
     graphs: bool = False  # the compiled step under CUDA graphs is a candidate too (training/graphs.py)
@@ -107,7 +107,9 @@ def plan_training(hw: Hardware, device: str, dtype: torch.dtype, level: str, kno
     if graphs:
         notes.append("O2: the compiled step is also timed replayed as CUDA graphs (training/graphs.py)")
     allocator = _allocator_choice(knobs.get("cpu_allocator"), device, level, notes)
-    return TrainRecipe(device=device, level=level, dtype=dtype_name(chosen), precision="autocast" if low else "fp32",
+    # a model cast to bf16/fp16 trains in its own dtype (no autocast): the recipe says that dtype, not float32
+    precision, served = ("autocast", chosen) if low else ("params", own) if own != torch.float32 else ("fp32", chosen)
+    return TrainRecipe(device=device, level=level, dtype=dtype_name(served), precision=precision,
                        loss_scaling=chosen == torch.float16, compile=compile_, graphs=graphs, optimizer=kind,
                        master_weights="split" if split else "fp32", passes=passes, allocator=allocator,
                        notes=tuple(notes))
