@@ -756,6 +756,48 @@ def test_a_once_only_transformers_warning_breaks_no_graph_in_the_step_of_any_mod
     assert [r.getMessage() for r in caplog.records].count(WarnsOnce.message) == 1  # printed once, by eager
 
 
+class Breaks(nn.Module):
+    """Dropout, then a graph break: the class's forward is compiled apart from each model's step."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(16, 16), nn.Linear(16, 4), nn.Dropout(0.1)
+
+    def forward(self, x):
+        x = self.drop(torch.relu(self.a(x)))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_a_step_whose_shared_frames_hit_the_recompile_limit_is_reported_partly_eager(monkeypatch):
+    # The frames after a graph break are the class's code, shared by every model of the class: each optimized
+    # model took two of dynamo's cache entries there, and past the limit (8) they ran eager while the report
+    # said "compiled". Checked against dynamo's cache itself, read before each model's setup.
+    import torch._dynamo.config as dynamo_config
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    monkeypatch.setattr(TrainModule, "_time", lambda self, fns, by, args, kwargs: "compiled")
+    limit = getattr(dynamo_config, "recompile_limit", None) or dynamo_config.cache_size_limit
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    flagged, full_before = [], []
+    for _ in range(limit + 2):  # one entry per model at the least: the limit is reached within
+        full_before.append(len(entries(Breaks.forward.__code__)) >= limit)
+        model = Breaks().train()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            fast, opt = tk.optimize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), time_budget=0)
+            nn.functional.cross_entropy(fast(x), y).backward()
+        rep = fast.kiln_report
+        flagged.append(any("recompile limit" in f.reason for f in rep.fallbacks))
+        assert flagged[-1] == ("recompile limit" in rep.active) == any("recompile limit" in str(m.message) for m in w)
+        if flagged[-1]:
+            assert "Breaks.forward" in rep.fallbacks[-1].reason, rep.fallbacks
+    assert flagged == full_before, (flagged, full_before)
+    # torch 2.13 adds entries per model and reaches the limit; torch 2.6 reuses one model's entries for the next
+    # (2 entries after six models), never reaching it, and nothing is flagged there
+    assert any(full_before) or len(entries(Breaks.forward.__code__)) < limit
+
+
 def test_the_margin_over_eager_is_2x_for_gradients_and_a_quarter_for_outputs():
     from types import SimpleNamespace as E
 

@@ -268,6 +268,7 @@ class TrainModule(OriginalFace):
                                          rec.dtype) for n in cands]
         by = dict(zip(cands, report.candidates, strict=True))
         rivals = [n for n in cands if n != "eager"]
+        caches, breaks = _cache_sizes(self.kiln_original), _graph_breaks()
         try:
             verdicts = self._verify(args, kwargs, rivals) if self._opts["verify"] != "off" else \
                 {n: (True, "", None) for n in rivals}
@@ -300,6 +301,22 @@ class TrainModule(OriginalFace):
                 m.status = "served" if n == best else "passed"
         object.__setattr__(self, "_passed", tuple(passed))
         self._serve(best)
+        full = []
+        if best != "eager" and _graph_breaks() > breaks:
+            # full before this setup, so it added nothing there: this model's code in that frame runs eager
+            full = [n for n, (k, limit) in _cache_sizes(self.kiln_original).items()
+                    if k >= limit and caches.get(n, (0, 0))[0] == k]
+        if full:
+            # A graph break leaves the model class's own frames compiled apart, and their dynamo cache is shared
+            # by every model of the class in the process, two entries per optimized model: past dynamo's
+            # recompile limit those frames run eager. The report said "compiled" for such a step (a tiny
+            # network with a graph break and dropout: from the fifth model on; benchmarks/RESULTS.md,
+            # fifty-second session). The timing above measured it as it runs; the report and a warning say so.
+            why = (f"dynamo's recompile limit is reached for {', '.join(full[:3])}: code after a graph break is "
+                   "compiled per model of the class in this process, and runs eager past the limit")
+            report.fallbacks.append(Fallback(f"{_LABELS[best]}, in part", "eager", why))
+            report.active += ", parts eager (dynamo's recompile limit)"
+            warn_once(f"train-limit:{self._uid}", f"torchkiln: {why}; see model.kiln_report")
         none = (False, "", None)  # the served step's verdict in the report; with eager served, the compiled one's
         shown = verdicts.get(best, none)[2] or verdicts.get("compiled", none)[2]
         if shown is not None:
@@ -501,6 +518,37 @@ def _custom_pass_option_kept() -> bool:
     except Exception:  # noqa: BLE001 - a torch without this wrapper: patch, which every torch honours
         return False
     return "pre_grad_custom_pass" in wrapper.config
+
+
+def _cache_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{"Class.forward": (dynamo cache entries, recompile limit)} for the model's own forwards. Their code is
+    the class's, shared by every model of the class in the process; a full one runs eager from then on."""
+    try:
+        import torch._dynamo.config as dynamo_config
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+    except ImportError:  # pragma: no cover (every torch from 2.6 has both)
+        return {}
+    limit = getattr(dynamo_config, "recompile_limit", None) or getattr(dynamo_config, "cache_size_limit", 8)
+    seen: set = set()
+    sizes = {}
+    for m in model.modules():
+        f = type(m).forward
+        while f is not None:  # transformers' decorators (functools.wraps) keep the compiled one as __wrapped__
+            code = getattr(f, "__code__", None)
+            if code is not None and code not in seen:
+                seen.add(code)
+                try:
+                    sizes[f"{type(m).__name__}.forward"] = (len(entries(code)), limit)
+                except Exception:  # noqa: BLE001 - a private helper: no answer is no finding
+                    pass
+            f = getattr(f, "__wrapped__", None)
+    return sizes
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
 
 
 def _quiet(compiled):
