@@ -555,13 +555,13 @@ def _quiet(compiled):
     """The compiled step with transformers' once-only log calls (``logger.warning_once``, ``info_once``) as
     no-ops while dynamo traces it. Each was a graph break: GPT-2's ``loss_function`` warns once per call
     that its ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels
-    compiled as five graphs plus the model's nested frames compiled on their own. Those frames' code is
+    compiled as several graphs, the model's nested frames compiled on their own. Those frames' code is
     the model class's, shared by every model of the class in the process, and each optimized model added
     two cache entries there (its own backend, and the guard's dropout-off compile): the fifth GPT-2
     optimized in one process hit dynamo's recompile limit (8) and ran those frames eager while the
     report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session). The message is
-    not lost: the float32 and eager reference steps run the model eagerly first, and an lru-cached once-only
-    call prints nothing after its first. Other log calls keep their graph break (and print)."""
+    not lost: the guard's reference steps run the model eagerly first (not with ``verify="off"``), and an
+    lru-cached once-only call prints nothing after its first. Other log calls keep their graph break."""
     import torch._dynamo.config as dynamo_config
 
     hf = sys.modules.get("transformers.utils.logging")

@@ -33,7 +33,7 @@ from ..plan import family
 class TrainRecipe:
     device: str = "cpu"
     level: str = "O1"
-    dtype: str = "float32"  # compute dtype under autocast (float32: no autocast)
+    dtype: str = "float32"  # compute dtype under autocast (float32: no autocast); with precision "params", the model's
     precision: str = "fp32"  # fp32 | autocast | params (the model's own bf16/fp16 parameters, no autocast)
     loss_scaling: bool = False  # fp16: gradients need a GradScaler
     compile: bool = True  # a compiled forward+backward is a candidate (timed against eager)
