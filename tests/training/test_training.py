@@ -771,17 +771,20 @@ class Breaks(nn.Module):
 
 def test_a_step_whose_shared_frames_hit_the_recompile_limit_is_reported_partly_eager(monkeypatch):
     # The frames after a graph break are the class's code, shared by every model of the class: each optimized
-    # model took two of dynamo's cache entries there, and past the limit (8) they ran eager while the report
-    # said "compiled". Checked against dynamo's cache itself, read before each model's setup.
+    # model took two of dynamo's cache entries there (stock torch.compile: one), and past the limit they ran
+    # eager while the report said "compiled", from the fifth model on (stock: the ninth). Checked against
+    # dynamo's cache itself, read before each model's setup.
     import torch._dynamo.config as dynamo_config
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
 
+    from torchkiln.training.module import LIMIT_FACTOR
+
     monkeypatch.setattr(TrainModule, "_time", lambda self, fns, by, args, kwargs: "compiled")
-    limit = getattr(dynamo_config, "recompile_limit", None) or dynamo_config.cache_size_limit
+    users = getattr(dynamo_config, "recompile_limit", None) or dynamo_config.cache_size_limit
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     flagged, full_before = [], []
-    for _ in range(limit + 2):  # one entry per model at the least: the limit is reached within
-        full_before.append(len(entries(Breaks.forward.__code__)) >= limit)
+    for _ in range(users + 2):  # two entries per model at most: the step's limit (2x the user's) is reached
+        full_before.append(len(entries(Breaks.forward.__code__)) >= LIMIT_FACTOR * users)
         model = Breaks().train()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -793,9 +796,12 @@ def test_a_step_whose_shared_frames_hit_the_recompile_limit_is_reported_partly_e
         if flagged[-1]:
             assert "Breaks.forward" in rep.fallbacks[-1].reason, rep.fallbacks
     assert flagged == full_before, (flagged, full_before)
-    # torch 2.13 adds entries per model and reaches the limit; torch 2.6 reuses one model's entries for the next
-    # (2 entries after six models), never reaching it, and nothing is flagged there
-    assert any(full_before) or len(entries(Breaks.forward.__code__)) < limit
+    # torch 2.13 adds entries per model and reaches the limit, after as many models as stock compile allows;
+    # torch 2.6 reuses one model's entries for the next (2 after six models) and never reaches it
+    if any(full_before):
+        assert full_before.index(True) >= users, full_before
+    else:
+        assert len(entries(Breaks.forward.__code__)) < LIMIT_FACTOR * users
 
 
 def test_the_margin_over_eager_is_2x_for_gradients_and_a_quarter_for_outputs():

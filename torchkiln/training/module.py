@@ -34,7 +34,7 @@ from ..face import OriginalFace
 from ..guard import BASELINE_FACTOR, Verdict, compare_each, tf32_allowed, tolerances
 from ..modelutil import DTYPES, dtype_name, first_line, has_conv, is_oom, model_dtype
 from ..passes import registry
-from ..passes.compile import Fresh
+from ..passes.compile import Fresh, patches_per_thread
 from ..passes.full_mask import FullMaskPass
 from ..passes.hash_dropout import HashDropoutPass
 from ..report import Fallback, Measurement, Report
@@ -106,12 +106,12 @@ class TrainModule(OriginalFace):
         s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
-        compiled = _quiet(_compile(Fresh(self._eager), opts)) if rec.compile else None
+        compiled = _traced(_compile(Fresh(self._eager), opts)) if rec.compile else None
         if compiled is not None and _under_ddp(self.kiln_original):
             compiled = OneGraph(compiled)
         graphs = None
         if compiled is not None and rec.graphs:
-            replayed = _quiet(_compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True}))
+            replayed = _traced(_compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True}))
             graphs = GraphedStep(replayed, probe.trainable(self.kiln_original))
         s(self, "_compiled", compiled)
         s(self, "_graphs", graphs)
@@ -528,7 +528,7 @@ def _cache_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
     except ImportError:  # pragma: no cover (every torch from 2.6 has both)
         return {}
-    limit = getattr(dynamo_config, "recompile_limit", None) or getattr(dynamo_config, "cache_size_limit", 8)
+    limit = LIMIT_FACTOR * _limit(dynamo_config)[1]  # what the step's own calls run under (_traced)
     seen: set = set()
     sizes = {}
     for m in model.modules():
@@ -551,26 +551,43 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def _quiet(compiled):
-    """The compiled step with transformers' once-only log calls (``logger.warning_once``, ``info_once``) as
-    no-ops while dynamo traces it. Each was a graph break: GPT-2's ``loss_function`` warns once per call
-    that its ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels
-    compiled as several graphs, the model's nested frames compiled on their own. Those frames' code is
-    the model class's, shared by every model of the class in the process, and each optimized model added
-    two cache entries there (its own backend, and the guard's dropout-off compile): the fifth GPT-2
-    optimized in one process hit dynamo's recompile limit (8) and ran those frames eager while the
-    report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session). The message is
-    not lost: the guard's reference steps run the model eagerly first (not with ``verify="off"``), and an
-    lru-cached once-only call prints nothing after its first. Other log calls keep their graph break."""
+# The guard compiles the step a second time with dropout off, so each optimized model takes two of dynamo's
+# cache entries where stock torch.compile takes one. In frames shared by the models of a class (after a graph
+# break) that halved how many models the user's recompile limit allows: the fifth hit it (stock: the ninth).
+# The step's own calls run under twice the user's limit, so torchkiln allows as many models as stock does.
+LIMIT_FACTOR = 2
+
+
+def _limit(dynamo_config) -> tuple[str, int]:
+    """dynamo's recompile limit: its config name (torch 2.6 ``cache_size_limit``) and the user's value."""
+    key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    return key, int(getattr(dynamo_config, key))
+
+
+def _traced(compiled):
+    """The compiled step under a dynamo config patch read while it traces: LIMIT_FACTOR times the user's
+    recompile limit (above), and transformers' once-only log calls (``logger.warning_once``, ``info_once``)
+    as no-ops. Each of those was a graph break: GPT-2's ``loss_function`` warns once per call that its
+    ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels compiled as
+    several graphs, the model's nested frames compiled on their own, with their cache shared by every model
+    of the class: the fifth GPT-2 optimized in one process hit dynamo's recompile limit and ran those frames
+    eager while the report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session).
+    The message is not lost: the guard's reference steps run the model eagerly first (not with
+    ``verify="off"``), and an lru-cached once-only call prints nothing after its first. Other log calls keep
+    their graph break."""
     import torch._dynamo.config as dynamo_config
 
+    if compiled is None:
+        return None
+    key, limit = _limit(dynamo_config)
+    options: dict = {key: LIMIT_FACTOR * limit}
     hf = sys.modules.get("transformers.utils.logging")
     once = {f for f in (getattr(hf, "warning_once", None), getattr(hf, "info_once", None)) if f is not None}
     # torch 2.6 names the set ignore_logger_methods; later torch ignore_logging_functions (the old name an alias)
-    key = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, k)), None)
-    if compiled is None or not once or key is None:
-        return compiled
-    return _Patched(compiled, dynamo_config, {key: set(getattr(dynamo_config, key)) | once})
+    ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, k)), None)
+    if once and ignore is not None:
+        options[ignore] = set(getattr(dynamo_config, ignore)) | once
+    return _Patched(compiled, dynamo_config, options)
 
 
 class _Patched:
@@ -579,9 +596,13 @@ class _Patched:
 
     def __init__(self, fn, config, options: dict):
         self.fn, self.config, self.options = fn, config, options
+        # one patch kept and re-entered where torch keeps its saved values per entry (2.13): building one per
+        # call took 15-33 us here, entering a kept one 3-4 (2-core EPYC, torch 2.13), against a tiny model's
+        # 0.3 ms compiled step
+        self.kept = config.patch(options) if patches_per_thread() else None
 
     def __call__(self, *args, **kwargs):
-        with self.config.patch(self.options):
+        with self.kept if self.kept is not None else self.config.patch(self.options):
             return self.fn(*args, **kwargs)
 
     def __getattr__(self, name):  # the compiled module's own (``_orig_mod``, ...)
