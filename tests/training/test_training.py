@@ -804,6 +804,18 @@ def test_a_step_whose_shared_frames_hit_the_recompile_limit_is_reported_partly_e
         assert len(entries(Breaks.forward.__code__)) < LIMIT_FACTOR * users
 
 
+def test_the_report_tells_a_step_without_dropout_from_a_cached_graph():
+    from torchkiln.passes.hash_dropout import HashDropoutPass
+    from torchkiln.training.module import _dropout_said
+
+    p = HashDropoutPass()
+    assert _dropout_said(p).startswith("no new compile")  # never called: every graph from inductor's cache
+    p(torch.fx.symbolic_trace(nn.Linear(2, 2)).graph)  # a graph without dropout
+    assert (p.graphs, p.rewritten) == (1, 0) and _dropout_said(p) == "no dropout in the compiled step"
+    p.rewritten = 3
+    assert _dropout_said(p) == "3 dropout sites in the compiled step"
+
+
 def test_the_margin_over_eager_is_2x_for_gradients_and_a_quarter_for_outputs():
     from types import SimpleNamespace as E
 

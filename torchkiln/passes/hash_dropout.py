@@ -146,14 +146,16 @@ def rewrite(graph: torch.fx.Graph, devices: tuple[str, ...] = ("cpu",), attentio
 
 
 class HashDropoutPass(GraphPass):
-    """The inductor pre-grad hook; ``rewritten`` counts rewrites over the compiles it served."""
+    """The inductor pre-grad hook; ``rewritten`` counts rewrites over the compiles it served, ``graphs`` the
+    graphs it saw (none: every graph came from inductor's cache)."""
 
     source = __file__
 
     def __init__(self, devices: tuple[str, ...] = ("cpu",), attention: bool = True):
-        self.rewritten, self.devices, self.attention = 0, devices, attention
+        self.rewritten, self.graphs, self.devices, self.attention = 0, 0, devices, attention
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
         self.rewritten += rewrite(graph, self.devices, self.attention)
 
     def options(self) -> tuple:

@@ -329,9 +329,7 @@ class TrainModule(OriginalFace):
             graph_passes = getattr(self._graph_pass, "passes", [self._graph_pass])
             for p in graph_passes:
                 if isinstance(p, HashDropoutPass):
-                    n = p.rewritten
-                    report.applied.append(f"hash_dropout ({f'{n} dropout sites' if n else 'no new compile'} in the "
-                                          "compiled step)")
+                    report.applied.append(f"hash_dropout ({_dropout_said(p)})")
                 elif isinstance(p, FullMaskPass) and p.fused:
                     report.applied.append(f"full_mask (attention masks that mask nothing dropped at {p.fused} SDPA "
                                           "sites over the step's compiles: SDPA keeps its fused kernels)")
@@ -518,6 +516,14 @@ def _custom_pass_option_kept() -> bool:
     except Exception:  # noqa: BLE001 - a torch without this wrapper: patch, which every torch honours
         return False
     return "pre_grad_custom_pass" in wrapper.config
+
+
+def _dropout_said(p: HashDropoutPass) -> str:
+    """What the dropout pass did in the served step; a step without dropout read "no new compile" (a LoRA
+    probe, fifty-second session), the words for a graph that came from inductor's cache."""
+    if p.rewritten:
+        return f"{p.rewritten} dropout sites in the compiled step"
+    return "no dropout in the compiled step" if p.graphs else "no new compile: the graph came from inductor's cache"
 
 
 def _cache_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
