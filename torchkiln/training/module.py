@@ -106,12 +106,12 @@ class TrainModule(OriginalFace):
         s(self, "_eager", AutocastStep(self.kiln_original, self._device.type, low))
         s(self, "_graph_pass", registry.graph_pass(rec.passes))
         opts = {"pre_grad_custom_pass": self._graph_pass} if self._graph_pass is not None else None
-        compiled = _traced(_compile(Fresh(self._eager), opts)) if rec.compile else None
-        if compiled is not None and _under_ddp(self.kiln_original):
-            compiled = OneGraph(compiled)
+        compiled = _compile(Fresh(self._eager), opts) if rec.compile else None
+        if compiled is not None:  # one dynamo patch per call: under DDP it also holds optimize_ddp
+            compiled = OneGraph(compiled) if _under_ddp(self.kiln_original) else Traced(compiled)
         graphs = None
         if compiled is not None and rec.graphs:
-            replayed = _traced(_compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True}))
+            replayed = Traced(_compile(Fresh(self._eager), {**(opts or {}), "triton.cudagraphs": True}))
             graphs = GraphedStep(replayed, probe.trainable(self.kiln_original))
         s(self, "_compiled", compiled)
         s(self, "_graphs", graphs)
@@ -534,7 +534,7 @@ def _cache_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list as entries
     except ImportError:  # pragma: no cover (every torch from 2.6 has both)
         return {}
-    limit = LIMIT_FACTOR * _limit(dynamo_config)[1]  # what the step's own calls run under (_traced)
+    limit = LIMIT_FACTOR * _limit(dynamo_config)[1]  # what the step's own calls run under (Traced)
     seen: set = set()
     sizes = {}
     for m in model.modules():
@@ -560,7 +560,7 @@ def _graph_breaks() -> int:
 # The guard compiles the step a second time with dropout off, so each optimized model takes two of dynamo's
 # cache entries where stock torch.compile takes one. In frames shared by the models of a class (after a graph
 # break) that halved how many models the user's recompile limit allows: the fifth hit it (stock: the ninth).
-# The step's own calls run under twice the user's limit, so torchkiln allows as many models as stock does.
+# The step's own calls run under twice the user's limit (Traced), so torchkiln allows as many models as stock does.
 LIMIT_FACTOR = 2
 
 
@@ -568,32 +568,6 @@ def _limit(dynamo_config) -> tuple[str, int]:
     """dynamo's recompile limit: its config name (torch 2.6 ``cache_size_limit``) and the user's value."""
     key = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     return key, int(getattr(dynamo_config, key))
-
-
-def _traced(compiled):
-    """The compiled step under a dynamo config patch read while it traces: LIMIT_FACTOR times the user's
-    recompile limit (above), and transformers' once-only log calls (``logger.warning_once``, ``info_once``)
-    as no-ops. Each of those was a graph break: GPT-2's ``loss_function`` warns once per call that its
-    ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels compiled as
-    several graphs, the model's nested frames compiled on their own, with their cache shared by every model
-    of the class: the fifth GPT-2 optimized in one process hit dynamo's recompile limit and ran those frames
-    eager while the report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session).
-    The message is not lost: the guard's reference steps run the model eagerly first (not with
-    ``verify="off"``), and an lru-cached once-only call prints nothing after its first. Other log calls keep
-    their graph break."""
-    import torch._dynamo.config as dynamo_config
-
-    if compiled is None:
-        return None
-    key, limit = _limit(dynamo_config)
-    options: dict = {key: LIMIT_FACTOR * limit}
-    hf = sys.modules.get("transformers.utils.logging")
-    once = {f for f in (getattr(hf, "warning_once", None), getattr(hf, "info_once", None)) if f is not None}
-    # torch 2.6 names the set ignore_logger_methods; later torch ignore_logging_functions (the old name an alias)
-    ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, k)), None)
-    if once and ignore is not None:
-        options[ignore] = set(getattr(dynamo_config, ignore)) | once
-    return _Patched(compiled, dynamo_config, options)
 
 
 class _Patched:
@@ -615,7 +589,34 @@ class _Patched:
         return getattr(self.__dict__["fn"], name)
 
 
-class OneGraph(_Patched):
+class Traced(_Patched):
+    """The compiled step under a dynamo config patch read while it traces: LIMIT_FACTOR times the user's
+    recompile limit (above), and transformers' once-only log calls (``logger.warning_once``, ``info_once``)
+    as no-ops. Each of those was a graph break: GPT-2's ``loss_function`` warns once per call that its
+    ``loss_type`` is unset (every GPT2LMHeadModel, checkpoints too), so a step given labels compiled as
+    several graphs, the model's nested frames compiled on their own, with their cache shared by every model
+    of the class: the fifth GPT-2 optimized in one process hit dynamo's recompile limit and ran those frames
+    eager while the report said compiled (tiny GPT-2, CPU; benchmarks/RESULTS.md, fifty-second session).
+    The message is not lost: the guard's reference steps run the model eagerly first (not with
+    ``verify="off"``), and an lru-cached once-only call prints nothing after its first. Other log calls keep
+    their graph break."""
+
+    def __init__(self, fn, **more):
+        import torch._dynamo.config as dynamo_config
+
+        key, limit = _limit(dynamo_config)
+        options: dict = {key: LIMIT_FACTOR * limit, **more}
+        hf = sys.modules.get("transformers.utils.logging")
+        once = {f for f in (getattr(hf, "warning_once", None), getattr(hf, "info_once", None)) if f is not None}
+        # torch 2.6 names the set ignore_logger_methods; later torch ignore_logging_functions (the old an alias)
+        ignore = next((k for k in ("ignore_logging_functions", "ignore_logger_methods") if hasattr(dynamo_config, k)),
+                      None)
+        if once and ignore is not None:
+            options[ignore] = set(getattr(dynamo_config, ignore)) | once
+        super().__init__(fn, dynamo_config, options)
+
+
+class OneGraph(Traced):
     """The compiled step under DDP, compiled with ``optimize_ddp=False``: dynamo traces the step as one
     graph instead of one per gradient bucket (DDPOptimizer), and the all-reduces run after the
     backward instead of overlapping it. GPT-2-medium bs16 seq512 bf16 on H200s, ms per step: one
@@ -629,9 +630,7 @@ class OneGraph(_Patched):
     training loop calls from one thread."""
 
     def __init__(self, fn):
-        import torch._dynamo
-
-        super().__init__(fn, torch._dynamo.config, {"optimize_ddp": False})
+        super().__init__(fn, optimize_ddp=False)
 
 
 def _under_ddp(model: nn.Module) -> bool:
