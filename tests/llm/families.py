@@ -20,6 +20,10 @@ def _configs():
         "qwen3": (T.Qwen3Config, dict(gqa, head_dim=16)),
         "phi3": (T.Phi3Config, gqa),
         "gemma": (T.GemmaConfig, dict(gqa, head_dim=16)),
+        # Gemma 2/3: four norms a layer; 2 with its soft caps (defaults 50 and 30), 3 with per-head q/k norms
+        # and a second rotary table for its sliding layers
+        "gemma2": (T.Gemma2Config, dict(gqa, head_dim=16)),
+        "gemma3": (T.Gemma3TextConfig, dict(gqa, head_dim=16, layer_types=["sliding_attention", "full_attention"])),
         "gpt2": (T.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
         "gpt_neox": (T.GPTNeoXConfig, dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                           num_attention_heads=4, max_position_embeddings=256)),
@@ -28,7 +32,7 @@ def _configs():
     }
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt2", "gpt_neox", "opt")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt2", "gpt_neox", "opt")
 
 
 def build(name: str, seed: int = 0, peak: float = 4.0, **sizes):

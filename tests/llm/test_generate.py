@@ -354,9 +354,9 @@ def test_right_padding_falls_back(models):
 def test_model_it_cannot_read_is_returned_working_with_a_reason():
     import transformers as T
 
-    cfg = T.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2)
+    # MPT: ALiBi positions (no rotary table, no position embedding), not in the fast path
+    cfg = T.MptConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.warns(UserWarning, match="not the fast path"):
@@ -423,6 +423,130 @@ def test_sliding_and_full_attention_layers_each_keep_their_own_mask(compiled):
     # the window on both layers reads other tokens: the test sees the difference
     both = build("qwen2", seed=31, use_sliding_window=True, sliding_window=6, max_window_layers=0)
     assert not torch.equal(both.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
+
+
+@pytest.mark.parametrize("compiled,attention", [(False, "eager"), (True, "eager"), (False, "sdpa")])
+def test_gemma2_soft_caps_decode_as_hf_and_matter(compiled, attention):
+    # caps small enough to bend these weights' scores and logits: a decoder that skipped either would
+    # differ (checked below on transformers' own model without them). Under SDPA (transformers 4.x's
+    # default for Gemma 2) the model's forward drops the attention cap, and so must the fast decoder.
+    caps = dict(attn_logit_softcapping=0.05, final_logit_softcapping=3.0, sliding_window=6,
+                attn_implementation=attention)
+    try:
+        model = build("gemma2", seed=41, **caps)
+    except ValueError as e:  # transformers 5 refuses SDPA for Gemma 2 (it would drop the cap)
+        pytest.skip(f"this transformers runs no Gemma 2 under {attention}: {e}")
+    assert model.config._attn_implementation == attention
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    assert fast.kiln_report.path == "fast", fast.kiln_report.reason
+    assert fast.kiln_report.spec["sandwich"]
+    assert fast.kiln_report.spec["attn_softcap"] == (0.05 if attention == "eager" else None)
+    ids = prompt(batch=2, length=5, seed=42)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=14, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    for off in ("attn_logit_softcapping", "final_logit_softcapping")[attention == "sdpa":]:
+        uncapped = build("gemma2", seed=41, **{**caps, off: None})
+        worst = max(rel(g, r) for g, r in zip(uncapped.generate(ids, attention_mask=mask, **kw).logits,
+                                                 want.logits, strict=False))
+        assert worst > 100 * LOGIT_TOL, f"{off} does not matter on this model ({worst:.1e})"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gemma3_local_and_global_layers_each_rotate_by_their_own_table(compiled):
+    # layer 0 slides (window 6, rotary base 10k), layer 1 attends to everything (base 1M): transformers
+    # keeps a table per layer type; one table for both would give other logits (checked below)
+    model = build("gemma3", seed=43, sliding_window=6)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    report = fast.kiln_report
+    assert report.path == "fast", report.reason
+    assert list(report.spec["local_rope"]) == [True, False] and list(report.spec["windowed"]) == [True, False]
+    ids = prompt(batch=2, length=5, seed=44)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=14, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    one_table = build("gemma3", seed=43, sliding_window=6, rope_local_base_freq=1e6)
+    worst = max(rel(g, r) for g, r in zip(one_table.generate(ids, attention_mask=mask, **kw).logits, want.logits,
+                                          strict=False))
+    assert worst > 100 * LOGIT_TOL, f"the local table does not matter on this model ({worst:.1e})"
+
+
+def _longrope(long_factor):
+    return dict(original_max_position_embeddings=12, rope_scaling=dict(
+        type="longrope", short_factor=[1.0 + 0.2 * i for i in range(8)], long_factor=long_factor))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_longrope_takes_the_table_transformers_takes(compiled):
+    # Phi-3.5 / Phi-4-mini's rope: the short table while a forward's largest position id is below
+    # original_max_position_embeddings (12 here), the long one from there on, for the whole forward
+    long = [3.0 + 0.5 * i for i in range(8)]
+    model = build("phi3", seed=47, **_longrope(long))
+    short_only = build("phi3", seed=47, **_longrope([1.0 + 0.2 * i for i in range(8)]))  # the same weights
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
+    assert fast.kiln_report.path == "fast", fast.kiln_report.reason
+    assert fast.kiln_report.spec["rope_type"] == "longrope" and fast.kiln_report.spec["long_after"] == 12
+    # (prompt, padding of row 1, new tokens): all short; a prompt past the switch, long throughout; a padded
+    # prompt of 13 slots whose positions pass the switch during decode (transformers' cache already holds
+    # more than 12 slots there, so it keeps it and switches tables, as the fast path does)
+    for length, pad, new, long_used in ((5, 2, 7, False), (14, 2, 10, True), (13, 3, 8, True)):
+        ids = prompt(batch=2, length=length, seed=48)
+        mask = torch.ones_like(ids)
+        ids[:, :pad], mask[:, :pad] = 0, 0
+        mask[0, :pad] = 1 if length != 13 else 0
+        kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True, **GREEDY)
+        want = model.generate(ids, attention_mask=mask, **kw)
+        got = fast.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(got.sequences, want.sequences), length
+        assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL, length
+        other = short_only.generate(ids, attention_mask=mask, **kw).logits  # the long table matters where used
+        assert (max(rel(g, r) for g, r in zip(other, want.logits, strict=False)) > 100 * LOGIT_TOL) == long_used
+    assert not fast.kiln_report.fallbacks
+
+
+def test_a_request_crossing_the_longrope_switch_is_transformers_own_generate():
+    # transformers' Phi-3 runs the whole sequence again with the long table where it first passes the
+    # switch (its cache dropped): that call is the model's own generate, with a warning
+    model = build("phi3", seed=47, **_longrope([3.0 + 0.5 * i for i in range(8)]))
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    ids = prompt(length=5, seed=48)
+    with pytest.warns(UserWarning, match="longrope switch"):
+        got = fast.generate(ids, max_new_tokens=12, **GREEDY)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=12, **GREEDY))
+    assert "original_max_position_embeddings=12" in fast.kiln_report.fallbacks[-1]
+
+
+def test_dynamic_rope_decodes_fast_within_its_length_and_on_transformers_past_it():
+    model = build("llama", seed=49, max_position_embeddings=16, rope_scaling=dict(rope_type="dynamic", factor=2.0))
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    assert fast.kiln_report.path == "fast", fast.kiln_report.reason
+    ids = prompt(length=6, seed=50)
+    kw = dict(output_logits=True, return_dict_in_generate=True, **GREEDY)
+    within = fast.generate(ids, max_new_tokens=10, **kw)
+    want = model.generate(ids, max_new_tokens=10, **kw)
+    assert torch.equal(within.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(within.logits, want.logits, strict=True)) <= LOGIT_TOL
+    assert not fast.kiln_report.fallbacks
+    with pytest.warns(UserWarning, match="rope_type='dynamic'"):  # 6 + 14 > 16: the table grows with the length
+        past = fast.generate(ids, max_new_tokens=14, **GREEDY)
+    assert torch.equal(past, model.generate(ids, max_new_tokens=14, **GREEDY))
+    assert "rope_type='dynamic'" in fast.kiln_report.fallbacks[-1]
+
+
+def test_an_encoder_built_from_a_decoder_config_is_refused_by_name():
+    model = build("gemma3", seed=45)
+    model.config.use_bidirectional_attention = True
+    with pytest.warns(UserWarning, match="use_bidirectional_attention"):
+        fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    assert fast.kiln_report.path == "stock"
 
 
 def test_attention_kinds_the_fast_path_does_not_run_go_to_the_stock_path():

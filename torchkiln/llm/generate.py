@@ -255,6 +255,12 @@ def run(runner, ids: torch.Tensor, mask: torch.Tensor | None, req: Request, stre
         pad = s.eos[0]  # transformers does the same (with a warning) when rows stop at different steps
     speculate = (req.lookup > 0 and B == 1 and not s.do_sample and s.repetition_penalty == 1.0
                  and not req.output_logits and not req.output_scores)
+    after = runner.decoder.spec.long_after
+    if after is not None and L <= after and L + req.max_new_tokens >= after + 2:
+        # transformers' Phi-3 drops its cache where the sequence first passes original_max_position_embeddings
+        # and runs the whole sequence again with the long rotary table; the call is the model's own generate
+        raise Fallback(f"a request of {L} + {req.max_new_tokens} tokens passing the longrope switch at "
+                       f"original_max_position_embeddings={after}")
     # prompt lookup's verify writes req.lookup + 1 slots from the current one: spare room where there is
     # some; a request that fits without it is never refused for it (it raised near max_seq_len)
     runner.reserve(B, L + req.max_new_tokens, spare=req.lookup if speculate else 0)

@@ -315,16 +315,20 @@ CPU_MATMUL_ATTENTION = 16
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of a few queries over the whole cache as two batched matmuls and a float32 softmax,
     the query heads of each KV head stacked into one matrix (no cache copy for GQA). Why not SDPA on
     the CPU: its flash kernel took 411 us per call for one query over a 256-slot cache in
     llama-350m's bf16 decode here, 15% of the profiled time (torch.profiler, benchmarks/RESULTS.md, "LLM
     decode on the CPU"). Every row sees at least its own slot (FastDecoder's mask), so no row is
-    fully masked. q (B, H, T, D); k, v (B, KV, S, D); mask (B or 1, 1, T, S), True = attend."""
+    fully masked. q (B, H, T, D); k, v (B, KV, S, D); mask (B or 1, 1, T, S), True = attend.
+    ``softcap``: Gemma 2's cap * tanh(scores / cap) before the mask, which SDPA has no form of (so
+    those models attend here on every device and width)."""
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
     scores = q.reshape(B, KV, H // KV * T, D).float() @ k.float().transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(B, KV, H // KV, T, S).masked_fill(~mask[:, :, None], float("-inf"))
     p = scores.softmax(dim=-1).view(B, KV, H // KV * T, S)
     return (p @ v.float()).to(q.dtype).view(B, H, T, D)
@@ -346,6 +350,7 @@ class Layer(nn.Module):
         self.spec, self.scaling = spec, spec.scaling[index]
         self.norm1, self.norm2, self.act = blk.norm1, blk.norm2, blk.act
         self.q_norm, self.k_norm = blk.q_norm, blk.k_norm
+        self.post1, self.post2 = blk.post1, blk.post2
         t = spec.qkv_transposed
         self.qkv = fuse(blk.qkv, t)
         self.out = linear_of(_weight(blk.out, t), blk.out.bias)
@@ -389,7 +394,9 @@ class Layer(nn.Module):
         """q (B, H, T, D), rotated, over the cache (written) -> attention output (B, T, H * D)."""
         B, H, T, D = q.shape
         KV = self.spec.n_kv_heads
-        if self.decode_kernel and decode_attention.usable(q, self.k_cache):
+        if self.spec.attn_softcap is not None:
+            o = grouped_attention(q, self.k_cache, self.v_cache, mask, self.scaling, self.spec.attn_softcap)
+        elif self.decode_kernel and decode_attention.usable(q, self.k_cache):
             o = decode_attention.attend(q, self.k_cache, self.v_cache, mask, self.scaling)
         elif q.device.type == "cpu" and T <= CPU_MATMUL_ATTENTION:
             o = grouped_attention(q, self.k_cache, self.v_cache, mask, self.scaling)
@@ -417,8 +424,20 @@ class Layer(nn.Module):
             return self.folded(self, x, cos, sin, slots, mask, table)
         if self.spec.parallel_residual:
             return x + self.attention(self.norm1(x), cos, sin, slots, mask, table) + self.mlp(self.norm2(x))
+        if self.post1 is not None:  # sandwich layers (Gemma 2/3)
+            x = x + self.post1(self.attention(self.norm1(x), cos, sin, slots, mask, table))
+            return x + self.post2(self.mlp(self.norm2(x)))
         x = x + self.attention(self.norm1(x), cos, sin, slots, mask, table)
         return x + self.mlp(self.norm2(x))
+
+
+def _tables(inv_freq: torch.Tensor, scale: float, seq: int, dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..seq-1 as transformers' rotary makes them: float32 angles pos *
+    inv_freq, scaled, then cast."""
+    pos = torch.arange(seq, device=dev, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.to(dev, torch.float32)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 class FastDecoder(nn.Module):
@@ -431,9 +450,13 @@ class FastDecoder(nn.Module):
         self.head = linear_of(parts.head.weight, parts.head.bias)
         self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
         self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
+        self._local_inv_freq, self._local_scale = parts.local_inv_freq, parts.local_scaling
+        self._long_inv_freq = parts.long_inv_freq
         # head_g: the final norm's float32 scale, folded into a quantized head (fused.fold); head_config:
-        # an int4 head's folded launch shape
-        for name in ("key_ok", "slot_ids", "cos", "sin", "embed_mult", "head_g"):
+        # an int4 head's folded launch shape; cos_local / sin_local: the local layers' tables (Gemma 3)
+        # cos_long / sin_long: longrope's tables past spec.long_after
+        for name in ("key_ok", "slot_ids", "cos", "sin", "cos_local", "sin_local", "cos_long", "sin_long",
+                     "embed_mult", "head_g"):
             self.register_buffer(name, None, persistent=False)
         self.batch = self.seq = 0
         self.head_eps, self.head_config = 0.0, -1
@@ -452,12 +475,11 @@ class FastDecoder(nn.Module):
         # buffer, not made per call: a CUDA-graph capture cannot copy a scalar from the host
         self.embed_mult = None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype, device=dev)
         if self._inv_freq is not None:
-            # transformers' rotary: fp32 angles pos * inv_freq, cos/sin scaled, then cast
-            pos = torch.arange(seq, device=dev, dtype=torch.float32)
-            freqs = pos[:, None] * self._inv_freq.to(dev, torch.float32)[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos = (emb.cos() * self._rope_scale).to(dtype)
-            self.sin = (emb.sin() * self._rope_scale).to(dtype)
+            self.cos, self.sin = _tables(self._inv_freq, self._rope_scale, seq, dtype, dev)
+        if self._local_inv_freq is not None:
+            self.cos_local, self.sin_local = _tables(self._local_inv_freq, self._local_scale, seq, dtype, dev)
+        if self._long_inv_freq is not None:
+            self.cos_long, self.sin_long = _tables(self._long_inv_freq, self._rope_scale, seq, dtype, dev)
         self.batch, self.seq = batch, seq
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -473,6 +495,12 @@ class FastDecoder(nn.Module):
         cos = sin = None
         if s.positions == "learned":
             x = x + F.embedding(positions + s.position_offset, self.pos_embed.weight)
+        elif s.long_after is not None:
+            # transformers' longrope: the long table for the whole forward once its largest position id
+            # reaches the threshold (a tensor condition: no host sync, the same in a CUDA graph)
+            long = positions.max() >= s.long_after
+            cos = torch.where(long, self.cos_long[positions], self.cos[positions]).unsqueeze(1)
+            sin = torch.where(long, self.sin_long[positions], self.sin[positions]).unsqueeze(1)
         else:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         keys = self.slot_ids[None, :]
@@ -484,12 +512,24 @@ class FastDecoder(nn.Module):
         if s.sliding_window is not None:
             near = causal & (keys > slots[:, None] - s.sliding_window)
             windowed = (self.key_ok[:, None, None, :] & near[None, None]) | own
+        tables = None if cos is None else {False: (cos, sin, (self.cos, self.sin, positions))}
+        if s.local_rope is not None:
+            tables[True] = (self.cos_local[positions].unsqueeze(1), self.sin_local[positions].unsqueeze(1),
+                            (self.cos_local, self.sin_local, positions))
         for i, layer in enumerate(self.layers):
             mask = windowed if s.windowed is None or s.windowed[i] else full
-            x = layer(x, cos, sin, slots, mask, None if cos is None else (self.cos, self.sin, positions))
+            if tables is not None:
+                cos, sin, table = tables[s.local_rope is not None and s.local_rope[i]]
+            x = layer(x, cos, sin, slots, mask, None if cos is None else table)
         if every:
-            return self.head(self.norm(x)).float()
+            return self.capped(self.head(self.norm(x))).float()
         x = x[:, -1:] if last is None else x.index_select(1, last)
         if self.head_g is not None and fused.one_row(x):
-            return fused.project(x, self.head, self.head_g, self.head_eps, config=self.head_config)[:, 0].float()
-        return self.head(self.norm(x))[:, 0].float()
+            return self.capped(fused.project(x, self.head, self.head_g, self.head_eps,
+                                             config=self.head_config))[:, 0].float()
+        return self.capped(self.head(self.norm(x)))[:, 0].float()
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft cap, in the logits' own dtype as transformers applies it."""
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

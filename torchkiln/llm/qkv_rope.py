@@ -42,9 +42,9 @@ def qkv_rope(x: torch.Tensor, lin: torch.nn.Module, norm: torch.Tensor | None, e
 def fits(spec) -> bool:
     """Can these kernels serve a decoder of this DecoderSpec: [q | k | v] rows, rotary over the whole
     head (transformers' half-split form, FastDecoder's tables), no per-head norm between the
-    projection and the rotation?"""
+    projection and the rotation, one table (not longrope's two, chosen per forward)?"""
     return (spec.qkv_layout != "headwise" and spec.positions == "rotary" and spec.rotary_dim == spec.head_dim
-            and not spec.qk_norm and spec.head_dim % 2 == 0)
+            and not spec.qk_norm and spec.head_dim % 2 == 0 and spec.long_after is None)
 
 
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,

@@ -21,6 +21,7 @@ import torch
 from .._log import quiet_deprecations, warn_once
 from ..captured import captured
 from ..modelutil import first_line, is_oom
+from .generate import Fallback
 from .model import FastDecoder, fresh
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,10 @@ class Runner:
             raise ValueError(f"prompt plus max_new_tokens is {need} tokens, more than {what}; "
                              "shorten the prompt or max_new_tokens" +
                              (", or pass a larger max_seq_len= to tk.llm.optimize" if self.max_seq_len else ""))
+        if need > spec.max_positions and spec.rope_type == "dynamic":
+            # transformers' dynamic NTK rope computes a new table for every length past it
+            raise Fallback(f"{need} tokens with rope_type='dynamic' past max_position_embeddings="
+                           f"{spec.max_positions}, where the rotary table changes with the length")
         if need > spec.max_positions:
             warn_once(f"llm-past-positions:{spec.max_positions}", f"torchkiln.llm: {need} tokens is more than the "
                       f"model's max_position_embeddings={spec.max_positions}; rotary positions go on past it, as "

@@ -8,8 +8,9 @@ what it is made of.
 - around it: the token embedding (``get_input_embeddings``), an optional learned position
   embedding (a second Embedding beside it), the final norm (a norm beside the stack), the
   output head (``get_output_embeddings``), the rotary module (a module holding ``inv_freq``);
-- in each block: two norms (pre-attention, pre-MLP), an attention module holding
-  projections, and an MLP (gated with an activation, or plain).
+- in each block: two norms (pre-attention, pre-MLP), or four (Gemma 2/3's "sandwich": each of
+  attention and MLP also normed on its way out), an attention module holding projections, and an
+  MLP (gated with an activation, or plain).
 
 Projection roles come from the projection vocabulary transformers uses across families
 (q/k/v or one fused qkv in one of three layouts, gate/up or fused gate_up) and from shapes.
@@ -19,6 +20,7 @@ compared with the model's own forward before it is used, and a mismatch falls ba
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -53,6 +55,11 @@ class DecoderSpec:
     sliding_window: int | None
     embed_scale: float | None = None  # what the forward multiplies embeddings by (read by running it)
     windowed: tuple | None = None     # per layer, whether sliding_window applies (None: every layer)
+    sandwich: bool = False            # four norms a layer: x + post1(attn(norm1 x)), then the same for the MLP
+    attn_softcap: float | None = None   # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
+    local_rope: tuple | None = None   # per layer, whether it rotates by the second (local) table (Gemma 3)
+    long_after: int | None = None     # longrope: a forward reaching this position rotates by the long table
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,6 +80,8 @@ class Block:
     act: nn.Module
     q_norm: nn.Module | None = None
     k_norm: nn.Module | None = None
+    post1: nn.Module | None = None  # sandwich layers: the attention output's norm
+    post2: nn.Module | None = None  # and the MLP output's
 
 
 @dataclasses.dataclass
@@ -84,6 +93,9 @@ class Parts:
     head: nn.Module
     inv_freq: torch.Tensor | None
     attention_scaling: float
+    local_inv_freq: torch.Tensor | None = None  # the layers spec.local_rope marks rotate by this one
+    local_scaling: float = 1.0
+    long_inv_freq: torch.Tensor | None = None   # longrope's table past spec.long_after
 
 
 # The projection vocabulary transformers uses across decoder families. Roles are names of
@@ -93,6 +105,10 @@ FUSED_QKV = {"qkv_proj": "concat", "c_attn": "concat", "Wqkv": "concat", "query_
 GATED = (("gate_proj", "up_proj"), ("w1", "w3"))
 FUSED_GATED = ("gate_up_proj",)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq does not depend on the sequence length
+# inv_freq depends on the sequence length, read as transformers' rotary changes it (_length_rope):
+# "longrope" between two tables at a threshold; "dynamic" grows past max_position_embeddings, where a
+# call goes to the model's own generate (runner.reserve)
+LENGTH_ROPE = ("longrope", "dynamic")
 
 
 def _cfg(config, *names, default=None):
@@ -202,6 +218,108 @@ def _embedding_scale(model: nn.Module, embed: nn.Module, first: nn.Module, hidde
     return hidden ** 0.5 if abs(c / hidden ** 0.5 - 1) < 1e-2 else c  # Gemma's sqrt(hidden), exactly
 
 
+@dataclasses.dataclass
+class Rope:
+    kind: str
+    inv_freq: torch.Tensor
+    scaling: float
+    local_inv_freq: torch.Tensor | None = None
+    local_scaling: float = 1.0
+    local: tuple | None = None  # per layer: rotates by the local table
+    long_inv_freq: torch.Tensor | None = None
+    long_after: int | None = None
+
+
+def _rope_kind(module: nn.Module, layer_type: str | None = None, length: bool = False) -> str:
+    kind = getattr(module, "rope_type", "default")
+    kind = str(kind.get(layer_type, "default") if isinstance(kind, dict) else kind)
+    if kind not in STATIC_ROPE + (LENGTH_ROPE if length else ()):
+        raise Unsupported(f"rope_type={kind!r} changes with sequence length (fast path: "
+                          f"{STATIC_ROPE + (LENGTH_ROPE if length else ())})")
+    return kind
+
+
+def _table_at(rotary: nn.Module, position: int) -> torch.Tensor:
+    """The inv_freq a copy of ``rotary`` computes with for a forward reaching ``position`` (its
+    ``dynamic_rope_update`` picks the table from the largest position id, then rotates)."""
+    probe = copy.deepcopy(rotary)
+    x = torch.zeros(1, 1, 1, device=probe.inv_freq.device)
+    with torch.no_grad():
+        probe(x, torch.tensor([[position]], device=x.device))
+    return probe.inv_freq.detach().clone()
+
+
+def _length_rope(config, rotary: nn.Module, rope: Rope) -> Rope:
+    """Tables for a rope whose inv_freq depends on the sequence length, read by running a copy of the
+    model's rotary module, so the choice is transformers' own in every version (4.x reads the threshold
+    from config.original_max_position_embeddings, 5.x from rope_parameters). Phi-3.5 / Phi-4-mini's
+    "longrope": the short table up to original_max_position_embeddings, the long one for a forward that
+    reaches past it (the whole forward: the prompt's prefill, or every decode step from there on).
+    "dynamic" (NTK): the model's own table up to max_position_embeddings; past it, the model's generate."""
+    original = getattr(rotary, "original_inv_freq", rotary.inv_freq).detach().clone()
+    if rope.kind == "dynamic":
+        return dataclasses.replace(rope, inv_freq=original)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    after = (params.get("original_max_position_embeddings") if isinstance(params, dict) else None) \
+        or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+    try:
+        short, long = _table_at(rotary, after - 1), _table_at(rotary, after)
+    except Exception as e:  # noqa: BLE001 - a rotary module of another shape: said, and the stock path serves
+        raise Unsupported(f"longrope tables could not be read by running the rotary module ({e})") from e
+    if not torch.equal(short, original) or torch.equal(long, original):
+        raise Unsupported(f"longrope: the rotary module does not switch tables at position {after} "
+                          "(original_max_position_embeddings) as read from the config")
+    return dataclasses.replace(rope, inv_freq=original, long_inv_freq=long, long_after=int(after))
+
+
+def _rotary(model: nn.Module, config, layer_types) -> Rope | None:
+    """The rotary tables, as transformers keeps them: one module's ``inv_freq``; or, where layer types
+    rotate differently (Gemma 3: local layers at base 10k, global ones at 1M), one table per type
+    (transformers 5: ``sliding_attention_inv_freq`` beside ``full_attention_inv_freq`` in one module;
+    4.x: a second module, ``rotary_emb_local``). None: no rotary module."""
+    types = list(layer_types or [])
+    for m in model.modules():
+        tables = {t: getattr(m, f"{t}_inv_freq", None) for t in set(types)}
+        if not tables or not all(isinstance(v, torch.Tensor) for v in tables.values()):
+            continue
+        if set(tables) - {"full_attention", "sliding_attention"}:
+            raise Unsupported(f"rotary tables per layer type {sorted(tables)} (fast path: 'full_attention', "
+                              "'sliding_attention')")
+        main = "full_attention" if "full_attention" in tables else "sliding_attention"
+        scale = {t: float(getattr(m, f"{t}_attention_scaling", 1.0)) for t in tables}
+        rope = Rope(_rope_kind(m, main), tables[main], scale[main])
+        if len(tables) == 2 and not (torch.equal(tables["full_attention"], tables["sliding_attention"])
+                                     and scale["full_attention"] == scale["sliding_attention"]):
+            _rope_kind(m, "sliding_attention")
+            rope = dataclasses.replace(rope, local_inv_freq=tables["sliding_attention"],
+                                       local_scaling=scale["sliding_attention"],
+                                       local=tuple(t == "sliding_attention" for t in types))
+        return rope
+    found = [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if not found:
+        return None
+    local = [m for n, m in found if "local" in n.rsplit(".", 1)[-1]]
+    main = next((m for n, m in found if all(m is not x for x in local)), found[0][1])
+    rope = Rope(_rope_kind(main, length=not local), main.inv_freq, float(getattr(main, "attention_scaling", 1.0)))
+    if rope.kind in LENGTH_ROPE:
+        return _length_rope(config, main, rope)
+    if len(local) == 1 and "sliding_attention" in types and "full_attention" in types:
+        rope = dataclasses.replace(rope, local_inv_freq=local[0].inv_freq,
+                                   local_scaling=float(getattr(local[0], "attention_scaling", 1.0)),
+                                   local=tuple(t == "sliding_attention" for t in types))
+        _rope_kind(local[0])
+    return rope
+
+
+def _attn_softcap(config) -> float | None:
+    """The attention scores' soft cap as the model's own forward applies it: transformers 4.x ran
+    Gemma 2 through SDPA by default, which drops the cap without a word (5.x runs it eagerly and
+    refuses SDPA with a cap), so under SDPA the model as given has no cap and neither does its
+    fast decoder (with the cap it missed the forward by 0.12 relative; transformers 4.57)."""
+    cap = _cfg(config, "attn_logit_softcapping")
+    return None if getattr(config, "_attn_implementation", None) == "sdpa" else cap
+
+
 def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
     """The spec and parts of a decoder-only causal LM, or Unsupported with the reason."""
     config = getattr(model, "config", None)
@@ -220,9 +338,9 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         raise Unsupported("config has no layer count / hidden size / head count")
     n_kv = _cfg(config, "num_key_value_heads", default=n_heads)
     head_dim = _cfg(config, "head_dim", default=hidden // n_heads)
-    for flag in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if _cfg(config, flag):
-            raise Unsupported(f"config.{flag} is set (logit soft-capping is not in the fast path)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("config.use_bidirectional_attention is set: every token sees the later ones (an "
+                          "encoder, as EmbeddingGemma), so there is nothing to decode")
     if getattr(config, "multi_query", False):  # said plainly: the probe prompt failed in split_with_sizes on it
         raise Unsupported("multi-query attention in one fused projection (config.multi_query, GPTBigCode) is not in "
                           "the fast path")
@@ -246,17 +364,20 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         raise Unsupported(f"expected one final norm beside the layer stack, found {len(finals)}")
     if any(_is_proj(m) for m in parent.children()):
         raise Unsupported("projections outside the layers (e.g. OPT project_in/out) are not in the fast path")
-    rotary = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
+    rope = _rotary(model, config, getattr(config, "layer_types", None))
 
     blocks, scalings = [], []
-    qkv_layout = mlp_kind = None
+    qkv_layout = mlp_kind = shape = None
     transposed = qk_norm = False
     for blk in layers:
         attn, projs = _attention(blk)
         norms = [m for m in blk.children() if _is_norm(m, hidden)]
-        if len(norms) != 2:
+        if len(norms) not in (2, 4):
             raise Unsupported(f"{type(blk).__name__} has {len(norms)} norms at the hidden width (the fast path "
-                              "knows pre-norm layers with two)")
+                              "knows pre-norm layers with two, and Gemma 2/3's four: before and after each part)")
+        # four: in transformers' order, before attention, after it, before the MLP, after it
+        sandwich = len(norms) == 4
+        pre1, pre2 = (norms[0], norms[2]) if sandwich else norms
         fused = next((n for n in projs if n in FUSED_QKV), None)
         if fused:
             qkv, layout = [projs[fused]], FUSED_QKV[fused]
@@ -289,18 +410,17 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         rest = [m for m in mprojs.values() if all(m is not x for x in mlp_in)]
         if len(rest) != 1:
             raise Unsupported(f"{type(mlp).__name__}: expected one down projection")
-        if (qkv_layout, mlp_kind) not in ((None, None), (layout, kind)):
+        if (qkv_layout, mlp_kind, shape) not in ((None, None, None), (layout, kind, sandwich)):
             raise Unsupported("layers differ in structure")
-        qkv_layout, mlp_kind = layout, kind
+        qkv_layout, mlp_kind, shape = layout, kind, sandwich
         scalings.append(float(getattr(attn, "scaling", head_dim ** -0.5)))
-        blocks.append(Block(norms[0], norms[1], qkv, outs[0], mlp_in, rest[0], act,
-                            head_norms[0] if qk_norm else None, head_norms[1] if qk_norm else None))
+        blocks.append(Block(pre1, pre2, qkv, outs[0], mlp_in, rest[0], act,
+                            head_norms[0] if qk_norm else None, head_norms[1] if qk_norm else None,
+                            norms[1] if sandwich else None, norms[3] if sandwich else None))
 
-    if rotary is not None:
-        rope_type = str(getattr(rotary, "rope_type", "default"))
-        if rope_type not in STATIC_ROPE:
-            raise Unsupported(f"rope_type={rope_type!r} changes with sequence length (fast path: {STATIC_ROPE})")
-        positions, rotary_dim = "rotary", 2 * rotary.inv_freq.numel()
+    if rope is not None:
+        rope_type = rope.kind
+        positions, rotary_dim = "rotary", 2 * rope.inv_freq.numel()
     elif pos_embed is not None:
         positions, rotary_dim, rope_type = "learned", 0, "none"
     else:
@@ -319,8 +439,11 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
                                                         default=2048)),
         sliding_window=window,
         embed_scale=_embedding_scale(model, embed, layers[0], hidden) if positions == "rotary" else None,
-        windowed=windowed)
+        windowed=windowed, sandwich=sandwich, attn_softcap=_attn_softcap(config),
+        final_softcap=_cfg(config, "final_logit_softcapping"), local_rope=rope.local if rope else None,
+        long_after=rope.long_after if rope else None)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
-                  rotary.inv_freq if rotary is not None else None,
-                  float(getattr(rotary, "attention_scaling", 1.0)) if rotary is not None else 1.0)
+                  rope.inv_freq if rope else None, rope.scaling if rope else 1.0,
+                  rope.local_inv_freq if rope else None, rope.local_scaling if rope else 1.0,
+                  rope.long_inv_freq if rope else None)
     return spec, parts
