@@ -53,3 +53,11 @@ def build(name: str, seed: int = 0, peak: float = 4.0, **sizes):
             model.config.tie_word_embeddings = False
         head.weight.mul_(peak)
     return model
+
+
+def longrope(long_factor, short_factor=None):
+    """Phi-3.5's rope on a family config: the short table up to position 12, ``long_factor``'s past it
+    (``type``: the key transformers 4.x checks; 5.x reads it too)."""
+    short = short_factor or [1.0 + 0.2 * i for i in range(8)]
+    return dict(original_max_position_embeddings=12,
+                rope_scaling=dict(type="longrope", short_factor=short, long_factor=long_factor))

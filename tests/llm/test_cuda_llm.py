@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 import torchkiln as tk  # noqa: E402
 
-from .families import build  # noqa: E402
+from .families import build, longrope  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -83,6 +83,39 @@ def test_stop_tokens_read_one_token_late_match_hf():
     for eos, n in ((stops[0], 12), (stops, 12), (stops, 4), (1, 12)):
         kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos)
         assert torch.equal(fast.generate(ids, **kw), model.generate(ids, **kw)), (eos, n)
+
+
+@pytest.mark.parametrize("family,sizes,length", [
+    # soft caps (grouped attention on every width), four norms a layer
+    ("gemma2", dict(attn_logit_softcapping=0.05, final_logit_softcapping=3.0, sliding_window=6,
+                    attn_implementation="eager"), 5),
+    ("gemma3", dict(sliding_window=6), 5),  # a rotary table per layer type, through the decode kernel
+    # longrope: a prompt past the switch, and a padded one whose positions pass it during decode (the
+    # table chosen on the GPU inside the CUDA graphs)
+    ("phi3", longrope([3.0 + 0.5 * i for i in range(8)]), 14),
+    ("phi3", longrope([3.0 + 0.5 * i for i in range(8)]), 13)])
+def test_gemma2_gemma3_and_longrope_decoders_match_hf_on_cuda(family, sizes, length):
+    model = build(family, seed=7, **sizes).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    assert fast.kiln_report.path == "fast" and fast.kiln_report.cudagraphs, fast.kiln_report.reason
+    ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(8)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    if length == 13:
+        mask[:, :3] = 0
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=10, **GREEDY)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=10, **GREEDY))
+    assert not fast.kiln_report.fallbacks
+
+
+def test_a_sandwich_decoder_is_quantized_unfolded_on_cuda():
+    # Gemma 3's norms after attention and the MLP are not among the neighbours the int8 GEMVs fold
+    model = build("gemma3", seed=9).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, quant="int8", max_seq_len=64)
+    rep = fast.kiln_report
+    assert rep.path == "fast" and rep.quant_cosine >= 0.999 and not rep.folded, rep
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(10)).cuda()
+    assert fast.generate(ids, max_new_tokens=8, **GREEDY).shape == (1, 16)
 
 
 def test_auto_dtype_is_bf16_and_tokens_mostly_agree():

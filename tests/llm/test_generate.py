@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import torchkiln as tk  # noqa: E402
 
-from .families import FAMILIES, build  # noqa: E402
+from .families import FAMILIES, build, longrope  # noqa: E402
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 LOGIT_TOL = 1e-4  # the issue's bound: per-step logits along HF's greedy path, relative
@@ -479,18 +479,13 @@ def test_gemma3_local_and_global_layers_each_rotate_by_their_own_table(compiled)
     assert worst > 100 * LOGIT_TOL, f"the local table does not matter on this model ({worst:.1e})"
 
 
-def _longrope(long_factor):
-    return dict(original_max_position_embeddings=12, rope_scaling=dict(
-        type="longrope", short_factor=[1.0 + 0.2 * i for i in range(8)], long_factor=long_factor))
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_longrope_takes_the_table_transformers_takes(compiled):
     # Phi-3.5 / Phi-4-mini's rope: the short table while a forward's largest position id is below
     # original_max_position_embeddings (12 here), the long one from there on, for the whole forward
     long = [3.0 + 0.5 * i for i in range(8)]
-    model = build("phi3", seed=47, **_longrope(long))
-    short_only = build("phi3", seed=47, **_longrope([1.0 + 0.2 * i for i in range(8)]))  # the same weights
+    model = build("phi3", seed=47, **longrope(long))
+    short_only = build("phi3", seed=47, **longrope([1.0 + 0.2 * i for i in range(8)]))  # the same weights
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
     assert fast.kiln_report.path == "fast", fast.kiln_report.reason
     assert fast.kiln_report.spec["rope_type"] == "longrope" and fast.kiln_report.spec["long_after"] == 12
@@ -515,7 +510,7 @@ def test_longrope_takes_the_table_transformers_takes(compiled):
 def test_a_request_crossing_the_longrope_switch_is_transformers_own_generate():
     # transformers' Phi-3 runs the whole sequence again with the long table where it first passes the
     # switch (its cache dropped): that call is the model's own generate, with a warning
-    model = build("phi3", seed=47, **_longrope([3.0 + 0.5 * i for i in range(8)]))
+    model = build("phi3", seed=47, **longrope([3.0 + 0.5 * i for i in range(8)]))
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
     ids = prompt(length=5, seed=48)
     with pytest.warns(UserWarning, match="longrope switch"):

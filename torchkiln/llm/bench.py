@@ -29,7 +29,7 @@ import torch
 from ..progress import ticks
 from ..timing import synchronize
 
-CONFIGS = {  # LlamaConfig fields; random weights
+CONFIGS = {  # LlamaConfig fields (another config class where "class" names it); random weights
     "llama-125m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048),
     "llama-350m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
@@ -39,6 +39,15 @@ CONFIGS = {  # LlamaConfig fields; random weights
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                        rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Gemma 3 1B's shape: five sliding-window layers (512, rotary base 10k) to one global (base 1M), four norms a
+    # layer, per-head q/k norms, one KV head of 256, a tied 262k-token head
+    "gemma-3-1b": dict({"class": "Gemma3TextConfig"}, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                       sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768),
+    # Gemma 2 2B's: soft caps on the attention scores (50) and the logits (30), sliding layers of 4096
+    "gemma-2-2b": dict({"class": "Gemma2Config"}, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                       query_pre_attn_scalar=256, max_position_embeddings=8192),
 }
 BITS = {None: None, "int8": 8, "int4": 4.25}  # int4: 4 bits + a bf16 scale and zero per 128 weights
 
@@ -46,10 +55,11 @@ BITS = {None: None, "int8": 8, "int4": 4.25}  # int4: 4 bits + a bf16 scale and 
 def build(name: str, device: torch.device, dtype: torch.dtype):
     import transformers as T
 
-    cfg = T.LlamaConfig(**CONFIGS[name], bos_token_id=1, eos_token_id=2)
+    fields = dict(CONFIGS[name])
+    cfg = getattr(T, fields.pop("class", "LlamaConfig"))(**fields, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
-        model = T.LlamaForCausalLM(cfg).to(dtype).eval()
+        model = T.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     return model
 
 
