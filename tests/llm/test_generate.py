@@ -536,6 +536,56 @@ def test_dynamic_rope_decodes_fast_within_its_length_and_on_transformers_past_it
     assert "rope_type='dynamic'" in fast.kiln_report.fallbacks[-1]
 
 
+def _helium(seed=56):
+    import transformers as T
+
+    if not hasattr(T, "HeliumForCausalLM"):
+        pytest.skip("this transformers has no Helium")
+    torch.manual_seed(seed)
+    model = T.HeliumForCausalLM(T.HeliumConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+def test_a_structure_misread_is_refused_in_bf16_by_the_float32_check(monkeypatch):
+    # Helium rotates interleaved pairs, which the fast path reads as halves: float32's check refuses it
+    # (~0.2 relative against 1e-4), bf16's tolerance (0.25) did not, and the bf16 decoder then gave other
+    # tokens than the model
+    model = _helium()
+    with pytest.warns(UserWarning, match="checked in float32"):
+        fast = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)
+    assert fast.kiln_report.path == "stock" and "checked in float32" in fast.kiln_report.reason
+    assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
+    ids = prompt(seed=56)
+    kw = dict(max_new_tokens=8, **GREEDY)
+    assert torch.equal(fast.generate(ids, **kw), model.to(torch.bfloat16).generate(ids, **kw))
+    # without the float32 check (no room for it) the misread passes bf16's own check: the check is what refuses it
+    monkeypatch.setattr(tk.llm.api, "FLOAT32_CHECK_SHARE", 0.0)
+    unchecked = tk.llm.optimize(_helium(), dtype=torch.bfloat16, compile=False)
+    assert unchecked.kiln_report.path == "fast"
+    assert "structure checked in bfloat16 only" in unchecked.kiln_report.fallbacks[0]
+
+
+def test_the_float32_check_leaves_the_bf16_weights_as_they_were():
+    model = build("qwen3", seed=57)
+    want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)
+    rep = fast.kiln_report
+    assert rep.path == "fast" and rep.structure_error is not None and rep.structure_error <= LOGIT_TOL
+    assert rep.verify_error > 10 * rep.structure_error  # bf16's own check is the looser one
+    got = fast.state_dict()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v) for k, v in want.items())
+    # the decoder still reads the model's own (bf16) weights in place: a weight written shows in the fused one
+    layer = fast._kiln_runner.decoder.layers[0]
+    q = fast.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() == layer.qkv.weight.untyped_storage().data_ptr()
+
+
 def test_an_encoder_built_from_a_decoder_config_is_refused_by_name():
     model = build("gemma3", seed=45)
     model.config.use_bidirectional_attention = True

@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from .. import _log
+from .. import _log, hostmem
 from .._log import quiet_deprecations, warn_once
 from ..inputs import out_of_inference
 from ..modelutil import copy_with, first_line, model_device, model_dtype, parse_dtype
@@ -54,6 +54,7 @@ class LLMReport:
     cudagraphs: bool
     spec: dict | None = None
     verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
+    structure_error: float | None = None  # bf16/fp16: the same check in float32 (_check_in_float32)
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
     quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
     quant_rounding: str | None = None    # "gptq" (calib_data given), "nearest", or "gptq (N of M ... nearest ...)"
@@ -89,6 +90,8 @@ class LLMReport:
             lines.append(f"  compiled decode: {self.compile} (CUDA graphs: {self.cudagraphs}; wrapper: "
                          f"{self.wrapper or 'not yet'}); compile s: {self.compile_s or 'not yet'}")
             lines.append(f"  verified against the model's forward: max rel error {self.verify_error:.2e}")
+            if self.structure_error is not None:
+                lines.append(f"  structure checked in float32: max rel error {self.structure_error:.2e}")
             lines.append(f"  decode attention: {self.attention}")
             if self.cpu_gemv:
                 lines.append(f"  CPU decode projections: {self.cpu_gemv}")
@@ -306,6 +309,8 @@ class FastGenerate:
 
 def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
     """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
+    if dtype in (torch.bfloat16, torch.float16):
+        _check_in_float32(work, target, report)
     spec, parts = read(work)
     if max_seq_len is not None and max_seq_len > spec.max_positions and spec.positions == "learned":
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
@@ -354,6 +359,47 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
             report.folded = fused.fold(decoder)
         report.quant_cosine = _quant_cosine(work, runner, reference)
     return runner
+
+
+# The float32 copy may take this share of the memory left (the rest: the forward and the decoder's checks).
+FLOAT32_CHECK_SHARE = 0.5
+
+
+def _check_in_float32(work, target, report: LLMReport) -> None:
+    """The structure check (_verify) in float32, for a decoder served in bf16/fp16. Why: at bf16's
+    tolerance (0.25: a correct decoder of a random 8B model is ~5% off there) a misread passed. SmolLM3
+    (its NoPE layers rotated), GLM and Helium (RoPE on interleaved pairs read as halves) went on the fast
+    path in bf16 and decoded other tokens than the model (a family survey, fifty-third session), where
+    float32 had refused them at 0.03-0.18 against 1e-4. ``work``'s parameters are made float32 for the
+    check and given back their own bf16 storage after (nothing rounded, nothing moved). Where a float32
+    copy of the weights would not fit, the check stays in the served dtype, said in ``fallbacks``."""
+    params = list(work.parameters())
+    need = 8 * sum(p.numel() for p in params)  # the float32 weights, and the decoder's fused float32 q/k/v, gate/up
+    free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else hostmem.available_bytes()
+    if free is not None and need > FLOAT32_CHECK_SHARE * free:
+        report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights and their fused copy "
+                                f"({need / 1e9:.1f} GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the "
+                                f"{free / 1e9:.1f} GB free")
+        return
+    # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
+    # (model.fuse): the modules get their own Parameter objects back, and those their own storage
+    held = [(m, dict(m._parameters)) for m in work.modules()]
+    storage = [(p, p.data) for p in params]
+    scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
+    try:
+        for p in params:
+            p.data = p.data.float()
+        spec, parts = read(work)
+        runner = Runner(FastDecoder(spec, parts), target, False, False, None, scratch)
+        _verify(work, runner, torch.float32, scratch)
+    except Unsupported as e:
+        raise Unsupported(f"checked in float32: {e}") from e
+    finally:
+        for m, own in held:
+            m._parameters.update(own)
+        for p, data in storage:
+            p.data = data
+    report.structure_error = scratch.verify_error
 
 
 def _stock(work, report: LLMReport, reason: str, t0: float):
