@@ -536,27 +536,56 @@ def test_dynamic_rope_decodes_fast_within_its_length_and_on_transformers_past_it
     assert "rope_type='dynamic'" in fast.kiln_report.fallbacks[-1]
 
 
-def _helium(seed=56):
+def _family(cls_name, seed=56, **fields):
+    """A tiny random model of a transformers class the families module does not build (absent: skip)."""
     import transformers as T
 
-    if not hasattr(T, "HeliumForCausalLM"):
-        pytest.skip("this transformers has no Helium")
+    if not hasattr(T, cls_name + "ForCausalLM"):
+        pytest.skip(f"this transformers has no {cls_name}")
     torch.manual_seed(seed)
-    model = T.HeliumForCausalLM(T.HeliumConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    config = getattr(T, cls_name + "Config")(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+    model = getattr(T, cls_name + "ForCausalLM")(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+        model.get_output_embeddings().weight.mul_(4.0)  # peaked, as families.build: no near-ties
     return model
 
 
+@pytest.mark.parametrize("cls_name,fields,read_as", [
+    ("Helium", dict(head_dim=16), dict(rope_pairs="interleaved")),
+    ("Glm", dict(head_dim=16, partial_rotary_factor=0.5), dict(rope_pairs="interleaved")),
+    # NoPE every fourth layer: layer 3 attends without positions
+    ("SmolLM3", dict(no_rope_layer_interval=4), dict(rotary_layers=[True, True, True, False]))])
+def test_interleaved_rotary_pairs_and_nope_layers_decode_as_hf(cls_name, fields, read_as):
+    # the pairing is found by building the decoder each way and keeping the one float32's check passes
+    model = _family(cls_name, **fields)
+    fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
+    rep = fast.kiln_report
+    assert rep.path == "fast", rep.reason
+    assert all((list(rep.spec[k]) if isinstance(want, list) else rep.spec[k]) == want for k, want in read_as.items())
+    ids = prompt(batch=2, length=6, seed=58)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=10, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    half = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)  # read the same way for bf16
+    assert half.kiln_report.path == "fast" and half.kiln_report.structure_error <= LOGIT_TOL
+    assert half.kiln_report.spec["rope_pairs"] == rep.spec["rope_pairs"]
+
+
 def test_a_structure_misread_is_refused_in_bf16_by_the_float32_check(monkeypatch):
-    # Helium rotates interleaved pairs, which the fast path reads as halves: float32's check refuses it
-    # (~0.2 relative against 1e-4), bf16's tolerance (0.25) did not, and the bf16 decoder then gave other
-    # tokens than the model
-    model = _helium()
+    # Helium rotates interleaved pairs; read as halves only (the pairing search off), float32's check
+    # refuses it (~0.2 relative against 1e-4), where bf16's tolerance (0.25) let it through and the bf16
+    # decoder gave other tokens than the model
+    monkeypatch.setattr(tk.llm.api, "ROPE_PAIRS", ("halves",))
+    model = _family("Helium", head_dim=16)
     with pytest.warns(UserWarning, match="checked in float32"):
         fast = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)
     assert fast.kiln_report.path == "stock" and "checked in float32" in fast.kiln_report.reason
@@ -566,7 +595,7 @@ def test_a_structure_misread_is_refused_in_bf16_by_the_float32_check(monkeypatch
     assert torch.equal(fast.generate(ids, **kw), model.to(torch.bfloat16).generate(ids, **kw))
     # without the float32 check (no room for it) the misread passes bf16's own check: the check is what refuses it
     monkeypatch.setattr(tk.llm.api, "FLOAT32_CHECK_SHARE", 0.0)
-    unchecked = tk.llm.optimize(_helium(), dtype=torch.bfloat16, compile=False)
+    unchecked = tk.llm.optimize(_family("Helium", head_dim=16), dtype=torch.bfloat16, compile=False)
     assert unchecked.kiln_report.path == "fast"
     assert "structure checked in bfloat16 only" in unchecked.kiln_report.fallbacks[0]
 

@@ -28,7 +28,7 @@ from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projec
 from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, head_kind, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
-from .spec import Unsupported, read
+from .spec import ROPE_PAIRS, Unsupported, read
 
 log = logging.getLogger(__name__)
 QUANT = {"int8": "int8-weight-only", "int4": "int4-weight-only"}
@@ -54,7 +54,7 @@ class LLMReport:
     cudagraphs: bool
     spec: dict | None = None
     verify_error: float | None = None    # max relative L2 error of logits vs the model's forward
-    structure_error: float | None = None  # bf16/fp16: the same check in float32 (_check_in_float32)
+    structure_error: float | None = None  # the same check in float32, where the reading was decided (_structure)
     quant_cosine: float | None = None    # quantized vs float logits on the verify prompt
     quant_layers: int | None = None      # Linears quantized (the head too where the CUDA GEMVs run)
     quant_rounding: str | None = None    # "gptq" (calib_data given), "nearest", or "gptq (N of M ... nearest ...)"
@@ -309,9 +309,7 @@ class FastGenerate:
 
 def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
     """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
-    if dtype in (torch.bfloat16, torch.float16):
-        _check_in_float32(work, target, report)
-    spec, parts = read(work)
+    spec, parts = read(work, pairs=_structure(work, target, dtype, report))
     if max_seq_len is not None and max_seq_len > spec.max_positions and spec.positions == "learned":
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
                          f"{spec.max_positions} (its learned position table has no more rows)")
@@ -365,41 +363,57 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
 FLOAT32_CHECK_SHARE = 0.5
 
 
-def _check_in_float32(work, target, report: LLMReport) -> None:
-    """The structure check (_verify) in float32, for a decoder served in bf16/fp16. Why: at bf16's
-    tolerance (0.25: a correct decoder of a random 8B model is ~5% off there) a misread passed. SmolLM3
-    (its NoPE layers rotated), GLM and Helium (RoPE on interleaved pairs read as halves) went on the fast
-    path in bf16 and decoded other tokens than the model (a family survey, fifty-third session), where
-    float32 had refused them at 0.03-0.18 against 1e-4. ``work``'s parameters are made float32 for the
-    check and given back their own bf16 storage after (nothing rounded, nothing moved). Where a float32
-    copy of the weights would not fit, the check stays in the served dtype, said in ``fallbacks``."""
+def _structure(work, target, dtype, report: LLMReport) -> str:
+    """How the decoder is read, decided by building it in float32 and checking it against the model's
+    forward there (_verify at 1e-4), before the served build. Returns the rotary pairing that passed
+    (spec.ROPE_PAIRS, tried in turn: it is in the model's code, not its config).
+
+    Why float32 for a decoder served in bf16/fp16: at bf16's tolerance (0.25: a correct decoder of a
+    random 8B model is ~5% off there) a misread passed. SmolLM3 (its NoPE layers rotated), GLM and Helium
+    (RoPE on interleaved pairs read as halves) went on the fast path in bf16 and decoded other tokens than
+    the model (a family survey, fifty-third session), where float32 refused them at 0.03-0.18 against 1e-4.
+    ``work``'s parameters are made float32 for the check and given back their own storage after (nothing
+    rounded, nothing moved). Where float32 weights and the decoder's fused copy would not fit, the check
+    is the served build's own, said in ``fallbacks`` for bf16/fp16."""
     params = list(work.parameters())
-    need = 8 * sum(p.numel() for p in params)  # the float32 weights, and the decoder's fused float32 q/k/v, gate/up
+    low = dtype in (torch.bfloat16, torch.float16)
+    # the float32 weights (bf16/fp16 only), and the decoder's fused float32 q/k/v, gate/up
+    need = (8 if low else 4) * sum(p.numel() for p in params)
     free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else hostmem.available_bytes()
     if free is not None and need > FLOAT32_CHECK_SHARE * free:
-        report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights and their fused copy "
-                                f"({need / 1e9:.1f} GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the "
-                                f"{free / 1e9:.1f} GB free")
-        return
+        if low:
+            report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights and their fused "
+                                    f"copy ({need / 1e9:.1f} GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the "
+                                    f"{free / 1e9:.1f} GB free")
+        return "halves"
     # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
     # (model.fuse): the modules get their own Parameter objects back, and those their own storage
     held = [(m, dict(m._parameters)) for m in work.modules()]
     storage = [(p, p.data) for p in params]
-    scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
+    errors = []
     try:
         for p in params:
             p.data = p.data.float()
-        spec, parts = read(work)
-        runner = Runner(FastDecoder(spec, parts), target, False, False, None, scratch)
-        _verify(work, runner, torch.float32, scratch)
-    except Unsupported as e:
-        raise Unsupported(f"checked in float32: {e}") from e
+        for pairs in ROPE_PAIRS:
+            spec, parts = read(work, pairs=pairs)
+            scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
+            try:
+                _verify(work, Runner(FastDecoder(spec, parts), target, False, False, None, scratch),
+                        torch.float32, scratch)
+            except Unsupported as e:
+                errors.append(str(e))
+                if spec.positions != "rotary":
+                    break
+                continue
+            report.structure_error = scratch.verify_error
+            return pairs
     finally:
         for m, own in held:
             m._parameters.update(own)
         for p, data in storage:
             p.data = data
-    report.structure_error = scratch.verify_error
+    more = f" (with interleaved rotary pairs: {errors[1].split(' (allowed')[0]})" if len(errors) > 1 else ""
+    raise Unsupported(f"checked in float32: {errors[0]}{more}")
 
 
 def _stock(work, report: LLMReport, reason: str, t0: float):

@@ -334,13 +334,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return (p @ v.float()).to(q.dtype).view(B, H, T, D)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotary embedding on the first cos.shape[-1] dims of each head (the rest pass through),
-    the half-split form transformers uses: x*cos + rotate_half(x)*sin."""
+    the half-split form transformers uses: x*cos + rotate_half(x)*sin; ``interleaved``: pairs (2i, 2i+1)
+    (GLM, Helium, Cohere), whose tables FastDecoder makes interleaved too."""
     rd = cos.shape[-1]
     rot, rest = x[..., :rd], x[..., rd:]
-    a, b = rot.chunk(2, dim=-1)
-    out = rot * cos + torch.cat((-b, a), dim=-1) * sin
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = rot * cos + torch.stack((-b, a), dim=-1).flatten(-2) * sin
+    else:
+        a, b = rot.chunk(2, dim=-1)
+        out = rot * cos + torch.cat((-b, a), dim=-1) * sin
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
@@ -385,7 +390,8 @@ class Layer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cos is not None:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            pairs = s.rope_pairs == "interleaved"
+            q, k = rotate(q, cos, sin, pairs), rotate(k, cos, sin, pairs)
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
         return self.look(q, mask)
@@ -431,12 +437,13 @@ class Layer(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _tables(inv_freq: torch.Tensor, scale: float, seq: int, dtype, dev) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(inv_freq: torch.Tensor, scale: float, seq: int, dtype, dev,
+            interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for positions 0..seq-1 as transformers' rotary makes them: float32 angles pos *
-    inv_freq, scaled, then cast."""
+    inv_freq, scaled, then cast; each angle twice, side by side for interleaved pairs."""
     pos = torch.arange(seq, device=dev, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq.to(dev, torch.float32)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
@@ -474,12 +481,13 @@ class FastDecoder(nn.Module):
         # in the model's dtype, as transformers rounds it (Gemma: sqrt(3072) = 55.5 in bf16); a
         # buffer, not made per call: a CUDA-graph capture cannot copy a scalar from the host
         self.embed_mult = None if s.embed_scale is None else torch.tensor(s.embed_scale, dtype=dtype, device=dev)
+        pairs = s.rope_pairs == "interleaved"
         if self._inv_freq is not None:
-            self.cos, self.sin = _tables(self._inv_freq, self._rope_scale, seq, dtype, dev)
+            self.cos, self.sin = _tables(self._inv_freq, self._rope_scale, seq, dtype, dev, pairs)
         if self._local_inv_freq is not None:
-            self.cos_local, self.sin_local = _tables(self._local_inv_freq, self._local_scale, seq, dtype, dev)
+            self.cos_local, self.sin_local = _tables(self._local_inv_freq, self._local_scale, seq, dtype, dev, pairs)
         if self._long_inv_freq is not None:
-            self.cos_long, self.sin_long = _tables(self._long_inv_freq, self._rope_scale, seq, dtype, dev)
+            self.cos_long, self.sin_long = _tables(self._long_inv_freq, self._rope_scale, seq, dtype, dev, pairs)
         self.batch, self.seq = batch, seq
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -520,6 +528,8 @@ class FastDecoder(nn.Module):
             mask = windowed if s.windowed is None or s.windowed[i] else full
             if tables is not None:
                 cos, sin, table = tables[s.local_rope is not None and s.local_rope[i]]
+                if s.rotary_layers is not None and not s.rotary_layers[i]:  # a NoPE layer
+                    cos = sin = table = None
             x = layer(x, cos, sin, slots, mask, None if cos is None else table)
         if every:
             return self.capped(self.head(self.norm(x))).float()

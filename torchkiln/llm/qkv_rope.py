@@ -44,7 +44,8 @@ def fits(spec) -> bool:
     head (transformers' half-split form, FastDecoder's tables), no per-head norm between the
     projection and the rotation, one table (not longrope's two, chosen per forward)?"""
     return (spec.qkv_layout != "headwise" and spec.positions == "rotary" and spec.rotary_dim == spec.head_dim
-            and not spec.qk_norm and spec.head_dim % 2 == 0 and spec.long_after is None)
+            and not spec.qk_norm and spec.head_dim % 2 == 0 and spec.long_after is None
+            and spec.rope_pairs == "halves")
 
 
 def rope_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor,

@@ -60,6 +60,8 @@ class DecoderSpec:
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
     local_rope: tuple | None = None   # per layer, whether it rotates by the second (local) table (Gemma 3)
     long_after: int | None = None     # longrope: a forward reaching this position rotates by the long table
+    rope_pairs: str = "halves"        # rotary pairs (i, i + d/2), or "interleaved" (2i, 2i + 1: GLM, Helium, Cohere)
+    rotary_layers: tuple | None = None  # per layer, whether it rotates at all (None: every layer; SmolLM3's NoPE)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -320,8 +322,26 @@ def _attn_softcap(config) -> float | None:
     return None if getattr(config, "_attn_implementation", None) == "sdpa" else cap
 
 
-def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
-    """The spec and parts of a decoder-only causal LM, or Unsupported with the reason."""
+# How a rotary head's dimensions pair up is in the model's code, not its config or structure: api.py builds
+# the decoder with each in turn and keeps the one its float32 check passes.
+ROPE_PAIRS = ("halves", "interleaved")
+
+
+def _rotary_layers(config, n_layers: int) -> tuple | None:
+    """SmolLM3's ``no_rope_layers``: per layer, 1 where it rotates, 0 for a NoPE layer (no positions in
+    attention at all). None: every layer rotates."""
+    flags = getattr(config, "no_rope_layers", None)
+    if flags is None:
+        return None
+    flags = tuple(bool(f) for f in flags)
+    if len(flags) != n_layers:
+        raise Unsupported(f"config.no_rope_layers has {len(flags)} entries for {n_layers} layers")
+    return None if all(flags) else flags
+
+
+def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
+    """The spec and parts of a decoder-only causal LM, or Unsupported with the reason. ``pairs``: how the
+    rotary dimensions pair up (ROPE_PAIRS)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_output_embeddings"):
         raise Unsupported(f"{type(model).__name__} is not a Hugging Face model (no config / output head)")
@@ -441,7 +461,8 @@ def read(model: nn.Module) -> tuple[DecoderSpec, Parts]:
         embed_scale=_embedding_scale(model, embed, layers[0], hidden) if positions == "rotary" else None,
         windowed=windowed, sandwich=sandwich, attn_softcap=_attn_softcap(config),
         final_softcap=_cfg(config, "final_logit_softcapping"), local_rope=rope.local if rope else None,
-        long_after=rope.long_after if rope else None)
+        long_after=rope.long_after if rope else None, rope_pairs=pairs if rope else "halves",
+        rotary_layers=_rotary_layers(config, n_layers) if rope else None)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
                   rope.inv_freq if rope else None, rope.scaling if rope else 1.0,
                   rope.local_inv_freq if rope else None, rope.local_scaling if rope else 1.0,
