@@ -559,9 +559,16 @@ def _family(cls_name, seed=56, **fields):
     ("Helium", dict(head_dim=16), dict(rope_pairs="interleaved")),
     ("Glm", dict(head_dim=16, partial_rotary_factor=0.5), dict(rope_pairs="interleaved")),
     # NoPE every fourth layer: layer 3 attends without positions
-    ("SmolLM3", dict(no_rope_layer_interval=4), dict(rotary_layers=[True, True, True, False]))])
-def test_interleaved_rotary_pairs_and_nope_layers_decode_as_hf(cls_name, fields, read_as):
-    # the pairing is found by building the decoder each way and keeping the one float32's check passes
+    ("SmolLM3", dict(no_rope_layer_interval=4), dict(rotary_layers=[True, True, True, False])),
+    # one norm shared by attention and MLP side by side; Phi-2 rotates half of each head, Cohere interleaved
+    # pairs and scales its logits
+    ("Phi", dict(partial_rotary_factor=0.5), dict(parallel_residual=True, rotary_dim=8)),
+    ("Cohere", dict(logit_scale=0.5), dict(parallel_residual=True, rope_pairs="interleaved", logit_scale=0.5)),
+    # Granite's multipliers: embeddings (read by running the forward), residual branches, attention, logits
+    ("Granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
+                     logits_scaling=8.0), dict(residual_scale=0.22, logit_divisor=8.0, embed_scale=12.0))])
+def test_decoders_read_by_structure_beyond_the_issue_families_decode_as_hf(cls_name, fields, read_as):
+    # interleaved pairs are found by building the decoder each way and keeping the one float32's check passes
     model = _family(cls_name, **fields)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=False)
     rep = fast.kiln_report

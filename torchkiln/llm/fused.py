@@ -137,7 +137,8 @@ def fold(decoder: nn.Module) -> int:
     spec, done = decoder.spec, 0
     for layer in decoder.layers:
         projs = [layer.qkv, layer.out, layer.up, layer.down]
-        if spec.parallel_residual or spec.sandwich or not all(foldable(p) for p in projs) \
+        if spec.parallel_residual or spec.sandwich or spec.residual_scale is not None \
+                or not all(foldable(p) for p in projs) \
                 or len({type(p) for p in projs}) > 1:
             continue
         n1, n2 = rms_form(layer.norm1, spec.hidden), rms_form(layer.norm2, spec.hidden)

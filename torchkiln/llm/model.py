@@ -429,10 +429,16 @@ class Layer(nn.Module):
         if self.folded is not None and fused.one_row(x):
             return self.folded(self, x, cos, sin, slots, mask, table)
         if self.spec.parallel_residual:
-            return x + self.attention(self.norm1(x), cos, sin, slots, mask, table) + self.mlp(self.norm2(x))
+            h = self.norm1(x)
+            return x + self.attention(h, cos, sin, slots, mask, table) + \
+                self.mlp(h if self.norm2 is self.norm1 else self.norm2(x))  # one shared norm: Phi-2, Cohere
         if self.post1 is not None:  # sandwich layers (Gemma 2/3)
             x = x + self.post1(self.attention(self.norm1(x), cos, sin, slots, mask, table))
             return x + self.post2(self.mlp(self.norm2(x)))
+        r = self.spec.residual_scale
+        if r is not None:  # Granite
+            x = x + self.attention(self.norm1(x), cos, sin, slots, mask, table) * r
+            return x + self.mlp(self.norm2(x)) * r
         x = x + self.attention(self.norm1(x), cos, sin, slots, mask, table)
         return x + self.mlp(self.norm2(x))
 
@@ -540,6 +546,12 @@ class FastDecoder(nn.Module):
         return self.capped(self.head(self.norm(x)))[:, 0].float()
 
     def capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final soft cap, in the logits' own dtype as transformers applies it."""
-        cap = self.spec.final_softcap
+        """What the model's head does after its product, in the logits' own dtype as transformers does it:
+        Cohere's scale, Granite's divisor, Gemma 2's final soft cap."""
+        s = self.spec
+        if s.logit_scale is not None:
+            logits = logits * s.logit_scale
+        if s.logit_divisor is not None:
+            logits = logits / s.logit_divisor
+        cap = s.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -62,6 +62,9 @@ class DecoderSpec:
     long_after: int | None = None     # longrope: a forward reaching this position rotates by the long table
     rope_pairs: str = "halves"        # rotary pairs (i, i + d/2), or "interleaved" (2i, 2i + 1: GLM, Helium, Cohere)
     rotary_layers: tuple | None = None  # per layer, whether it rotates at all (None: every layer; SmolLM3's NoPE)
+    residual_scale: float | None = None  # x + part(x) * scale (Granite's residual_multiplier)
+    logit_scale: float | None = None     # logits * scale (Cohere's logit_scale)
+    logit_divisor: float | None = None   # logits / divisor (Granite's logits_scaling)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -339,6 +342,14 @@ def _rotary_layers(config, n_layers: int) -> tuple | None:
     return None if all(flags) else flags
 
 
+def _factor(config, name: str) -> float | None:
+    """A scale the model's forward applies from a config field (Granite's residual_multiplier and
+    logits_scaling, Cohere's logit_scale); None where it is absent or 1. Which field does what is the
+    transformers code's (a field read wrongly fails the float32 check: api._structure)."""
+    v = getattr(config, name, None)
+    return None if v is None or float(v) == 1.0 else float(v)
+
+
 def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
     """The spec and parts of a decoder-only causal LM, or Unsupported with the reason. ``pairs``: how the
     rotary dimensions pair up (ROPE_PAIRS)."""
@@ -392,12 +403,14 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
     for blk in layers:
         attn, projs = _attention(blk)
         norms = [m for m in blk.children() if _is_norm(m, hidden)]
-        if len(norms) not in (2, 4):
+        if len(norms) not in (1, 2, 4):
             raise Unsupported(f"{type(blk).__name__} has {len(norms)} norms at the hidden width (the fast path "
-                              "knows pre-norm layers with two, and Gemma 2/3's four: before and after each part)")
-        # four: in transformers' order, before attention, after it, before the MLP, after it
-        sandwich = len(norms) == 4
-        pre1, pre2 = (norms[0], norms[2]) if sandwich else norms
+                              "knows pre-norm layers with two, one shared by parallel attention and MLP, and "
+                              "Gemma 2/3's four: before and after each part)")
+        # four: in transformers' order, before attention, after it, before the MLP, after it; one: attention
+        # and MLP side by side on the same normed input (Phi-2, Cohere): x + attn(n(x)) + mlp(n(x))
+        sandwich, shared = len(norms) == 4, len(norms) == 1
+        pre1, pre2 = (norms[0], norms[2]) if sandwich else (norms[0], norms[0]) if shared else norms
         fused = next((n for n in projs if n in FUSED_QKV), None)
         if fused:
             qkv, layout = [projs[fused]], FUSED_QKV[fused]
@@ -430,9 +443,9 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         rest = [m for m in mprojs.values() if all(m is not x for x in mlp_in)]
         if len(rest) != 1:
             raise Unsupported(f"{type(mlp).__name__}: expected one down projection")
-        if (qkv_layout, mlp_kind, shape) not in ((None, None, None), (layout, kind, sandwich)):
+        if (qkv_layout, mlp_kind, shape) not in ((None, None, None), (layout, kind, len(norms))):
             raise Unsupported("layers differ in structure")
-        qkv_layout, mlp_kind, shape = layout, kind, sandwich
+        qkv_layout, mlp_kind, shape = layout, kind, len(norms)
         scalings.append(float(getattr(attn, "scaling", head_dim ** -0.5)))
         blocks.append(Block(pre1, pre2, qkv, outs[0], mlp_in, rest[0], act,
                             head_norms[0] if qk_norm else None, head_norms[1] if qk_norm else None,
@@ -454,7 +467,7 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         vocab=head.out_features, qkv_layout=qkv_layout, qkv_transposed=transposed, mlp=mlp_kind,
         positions=positions, rotary_dim=rotary_dim, rope_type=rope_type,
         position_offset=int(getattr(pos_embed, "offset", 0)) if positions == "learned" else 0,
-        parallel_residual=bool(getattr(config, "use_parallel_residual", False)), qk_norm=qk_norm,
+        parallel_residual=bool(getattr(config, "use_parallel_residual", False)) or shape == 1, qk_norm=qk_norm,
         scaling=tuple(scalings), max_positions=int(_cfg(config, "max_position_embeddings", "n_positions",
                                                         default=2048)),
         sliding_window=window,
@@ -462,7 +475,9 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         windowed=windowed, sandwich=sandwich, attn_softcap=_attn_softcap(config),
         final_softcap=_cfg(config, "final_logit_softcapping"), local_rope=rope.local if rope else None,
         long_after=rope.long_after if rope else None, rope_pairs=pairs if rope else "halves",
-        rotary_layers=_rotary_layers(config, n_layers) if rope else None)
+        rotary_layers=_rotary_layers(config, n_layers) if rope else None,
+        residual_scale=_factor(config, "residual_multiplier"), logit_scale=_factor(config, "logit_scale"),
+        logit_divisor=_factor(config, "logits_scaling"))
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
                   rope.inv_freq if rope else None, rope.scaling if rope else 1.0,
                   rope.local_inv_freq if rope else None, rope.local_scaling if rope else 1.0,
