@@ -108,6 +108,24 @@ def test_gemma2_gemma3_and_longrope_decoders_match_hf_on_cuda(family, sizes, len
     assert not fast.kiln_report.fallbacks
 
 
+@pytest.mark.parametrize("cls_name,fields", [
+    ("Helium", dict(head_dim=16)), ("SmolLM3", dict(no_rope_layer_interval=4)),
+    ("Phi", dict(partial_rotary_factor=0.5)), ("Cohere", dict(logit_scale=0.5)), ("Olmo2", dict()),
+    ("Granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
+                     logits_scaling=8.0))])
+def test_decoders_beyond_the_issue_families_match_hf_on_cuda(cls_name, fields):
+    from .test_generate import _family
+
+    model = _family(cls_name, **fields).cuda()
+    fast = tk.llm.optimize(model, dtype=torch.float32)
+    assert fast.kiln_report.path == "fast" and fast.kiln_report.cudagraphs, fast.kiln_report.reason
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(11)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=10, **GREEDY)
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, max_new_tokens=10, **GREEDY))
+
+
 def test_a_sandwich_decoder_is_quantized_unfolded_on_cuda():
     # Gemma 3's norms after attention and the MLP are not among the neighbours the int8 GEMVs fold
     model = build("gemma3", seed=9).cuda()

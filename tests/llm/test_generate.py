@@ -564,6 +564,9 @@ def _family(cls_name, seed=56, **fields):
     # pairs and scales its logits
     ("Phi", dict(partial_rotary_factor=0.5), dict(parallel_residual=True, rotary_dim=8)),
     ("Cohere", dict(logit_scale=0.5), dict(parallel_residual=True, rope_pairs="interleaved", logit_scale=0.5)),
+    # OLMo 2: both norms on the parts' outputs (found by the float32 check, as the pairing is), q/k norms over
+    # all heads before they are split
+    ("Olmo2", dict(), dict(norm_place="post", qk_norm_width="full", qk_norm=True)),
     # Granite's multipliers: embeddings (read by running the forward), residual branches, attention, logits
     ("Granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
                      logits_scaling=8.0), dict(residual_scale=0.22, logit_divisor=8.0, embed_scale=12.0))])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import logging
 import time
 
@@ -28,7 +29,7 @@ from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projec
 from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, head_kind, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
-from .spec import ROPE_PAIRS, Unsupported, read
+from .spec import NORM_PLACES, ROPE_PAIRS, Unsupported, read
 
 log = logging.getLogger(__name__)
 QUANT = {"int8": "int8-weight-only", "int4": "int4-weight-only"}
@@ -309,7 +310,7 @@ class FastGenerate:
 
 def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, calib=()) -> Runner:
     """Read, build, verify (and quantize) the fast decoder over ``work``'s weights."""
-    spec, parts = read(work, pairs=_structure(work, target, dtype, report))
+    spec, parts = read(work, **_structure(work, target, dtype, report))
     if max_seq_len is not None and max_seq_len > spec.max_positions and spec.positions == "learned":
         raise ValueError(f"max_seq_len={max_seq_len} is more than the model's max_position_embeddings="
                          f"{spec.max_positions} (its learned position table has no more rows)")
@@ -363,10 +364,11 @@ def _build(work, target, dtype, quant, compile, max_seq_len, report: LLMReport, 
 FLOAT32_CHECK_SHARE = 0.5
 
 
-def _structure(work, target, dtype, report: LLMReport) -> str:
+def _structure(work, target, dtype, report: LLMReport) -> dict:
     """How the decoder is read, decided by building it in float32 and checking it against the model's
-    forward there (_verify at 1e-4), before the served build. Returns the rotary pairing that passed
-    (spec.ROPE_PAIRS, tried in turn: it is in the model's code, not its config).
+    forward there (_verify at 1e-4), before the served build. Returns the reading that passed, as ``read``'s
+    keywords: where a two-norm layer's norms sit and how the rotary dimensions pair up (spec.NORM_PLACES,
+    spec.ROPE_PAIRS, tried in turn: both are in the model's code, not its config).
 
     Why float32 for a decoder served in bf16/fp16: at bf16's tolerance (0.25: a correct decoder of a
     random 8B model is ~5% off there) a misread passed. SmolLM3 (its NoPE layers rotated), GLM and Helium
@@ -385,7 +387,7 @@ def _structure(work, target, dtype, report: LLMReport) -> str:
             report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights and their fused "
                                     f"copy ({need / 1e9:.1f} GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the "
                                     f"{free / 1e9:.1f} GB free")
-        return "halves"
+        return {}
     # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
     # (model.fuse): the modules get their own Parameter objects back, and those their own storage
     held = [(m, dict(m._parameters)) for m in work.modules()]
@@ -394,26 +396,31 @@ def _structure(work, target, dtype, report: LLMReport) -> str:
     try:
         for p in params:
             p.data = p.data.float()
-        for pairs in ROPE_PAIRS:
-            spec, parts = read(work, pairs=pairs)
+        for norms_at, pairs in itertools.product(NORM_PLACES, ROPE_PAIRS):
+            try:
+                spec, parts = read(work, pairs=pairs, norms_at=norms_at)
+            except Unsupported:
+                if not errors:  # the first reading's own refusal is the one to say
+                    raise
+                continue  # this layer has no such variant (post-norm of other than two norms)
+            if spec.positions != "rotary" and pairs != ROPE_PAIRS[0]:
+                continue  # nothing rotates: the pairing changes nothing
             scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
             try:
                 _verify(work, Runner(FastDecoder(spec, parts), target, False, False, None, scratch),
                         torch.float32, scratch)
             except Unsupported as e:
-                errors.append(str(e))
-                if spec.positions != "rotary":
-                    break
+                errors.append((norms_at, pairs, str(e)))
                 continue
             report.structure_error = scratch.verify_error
-            return pairs
+            return dict(pairs=pairs, norms_at=norms_at)
     finally:
         for m, own in held:
             m._parameters.update(own)
         for p, data in storage:
             p.data = data
-    more = f" (with interleaved rotary pairs: {errors[1].split(' (allowed')[0]})" if len(errors) > 1 else ""
-    raise Unsupported(f"checked in float32: {errors[0]}{more}")
+    others = "; ".join(f"{n}-norm, {p} pairs: {e.split(' by ')[-1].split(' relative')[0]}" for n, p, e in errors[1:])
+    raise Unsupported(f"checked in float32: {errors[0][2]}" + (f" (read otherwise: {others})" if others else ""))
 
 
 def _stock(work, report: LLMReport, reason: str, t0: float):

@@ -385,8 +385,10 @@ class Layer(nn.Module):
             q, k, v = qkv.view(B, T, H, 3 * D).split(D, dim=-1)
         else:
             q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+            if self.q_norm is not None and s.qk_norm_width == "full":  # over all heads at once (OLMo 2)
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.view(B, T, H, D), k.view(B, T, KV, D), v.view(B, T, KV, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and s.qk_norm_width == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cos is not None:

@@ -65,6 +65,9 @@ class DecoderSpec:
     residual_scale: float | None = None  # x + part(x) * scale (Granite's residual_multiplier)
     logit_scale: float | None = None     # logits * scale (Cohere's logit_scale)
     logit_divisor: float | None = None   # logits / divisor (Granite's logits_scaling)
+    qk_norm_width: str = "head"          # q/k norms per head, or "full": over all heads at once (OLMo 2)
+    norm_place: str = "pre"              # two-norm layers: "pre" (before attention / MLP) or "post" (on their
+                                         # outputs, before the residual add: OLMo 2), as the float32 check finds
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -325,9 +328,11 @@ def _attn_softcap(config) -> float | None:
     return None if getattr(config, "_attn_implementation", None) == "sdpa" else cap
 
 
-# How a rotary head's dimensions pair up is in the model's code, not its config or structure: api.py builds
-# the decoder with each in turn and keeps the one its float32 check passes.
+# How a rotary head's dimensions pair up, and whether a layer's two norms come before or after its parts,
+# are in the model's code, not its config or structure: api.py builds the decoder each way in turn and
+# keeps the first its float32 check passes.
 ROPE_PAIRS = ("halves", "interleaved")
+NORM_PLACES = ("pre", "post")
 
 
 def _rotary_layers(config, n_layers: int) -> tuple | None:
@@ -350,9 +355,24 @@ def _factor(config, name: str) -> float | None:
     return None if v is None or float(v) == 1.0 else float(v)
 
 
-def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
+def _qk_norms(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[list, str]:
+    """The attention's q and k norms: per head (Qwen3, Gemma 3), or over all heads at once (OLMo 2: widths
+    heads * head_dim and kv heads * head_dim, before the heads are split); none: []."""
+    per_head = [m for m in attn.children() if _is_norm(m, head_dim)]
+    if len(per_head) == 2:
+        return per_head, "head"
+    q = [m for m in attn.children() if _is_norm(m, n_heads * head_dim)]
+    k = q if n_kv == n_heads else [m for m in attn.children() if _is_norm(m, n_kv * head_dim)]
+    if n_kv == n_heads and len(q) == 2:
+        return q, "full"
+    if n_kv != n_heads and len(q) == 1 and len(k) == 1:
+        return [q[0], k[0]], "full"
+    return [], "head"
+
+
+def read(model: nn.Module, pairs: str = "halves", norms_at: str = "pre") -> tuple[DecoderSpec, Parts]:
     """The spec and parts of a decoder-only causal LM, or Unsupported with the reason. ``pairs``: how the
-    rotary dimensions pair up (ROPE_PAIRS)."""
+    rotary dimensions pair up (ROPE_PAIRS); ``norms_at``: where a two-norm layer's norms sit (NORM_PLACES)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_output_embeddings"):
         raise Unsupported(f"{type(model).__name__} is not a Hugging Face model (no config / output head)")
@@ -389,7 +409,8 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         pos_embed = next((m for n, m in model.named_modules() if isinstance(m, nn.Embedding) and m is not embed
                           and not n.startswith(stack_name)), None)
     if getattr(config, "do_layer_norm_before", True) is False:  # first: such a model has no final norm either
-        raise Unsupported("post-norm layers (config.do_layer_norm_before=False) are not in the fast path")
+        raise Unsupported("OPT's post-norm layers (config.do_layer_norm_before=False: no final norm, norms after "
+                          "the residual add) are not in the fast path")
     finals = [m for m in parent.children() if _is_norm(m, hidden)]
     if len(finals) != 1:
         raise Unsupported(f"expected one final norm beside the layer stack, found {len(finals)}")
@@ -411,6 +432,12 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         # and MLP side by side on the same normed input (Phi-2, Cohere): x + attn(n(x)) + mlp(n(x))
         sandwich, shared = len(norms) == 4, len(norms) == 1
         pre1, pre2 = (norms[0], norms[2]) if sandwich else (norms[0], norms[0]) if shared else norms
+        post1, post2 = (norms[1], norms[3]) if sandwich else (None, None)
+        if norms_at == "post":
+            if len(norms) != 2:
+                raise Unsupported(f"post-norm reading asked of a layer with {len(norms)} norms")
+            # x + n1(attn(x)), then x + n2(mlp(x)): the sandwich form with nothing before each part
+            pre1, pre2, post1, post2 = nn.Identity(), nn.Identity(), norms[0], norms[1]
         fused = next((n for n in projs if n in FUSED_QKV), None)
         if fused:
             qkv, layout = [projs[fused]], FUSED_QKV[fused]
@@ -422,7 +449,7 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         if len(outs) != 1:
             raise Unsupported(f"{type(attn).__name__}: expected one output projection, found {len(outs)}")
         transposed = type(qkv[0]).__name__ == "Conv1D"
-        head_norms = [m for m in attn.children() if _is_norm(m, head_dim)]
+        head_norms, qk_width = _qk_norms(attn, n_heads, n_kv, head_dim)
         qk_norm = len(head_norms) == 2
         # the MLP: a child holding >= 2 projections, else the block itself (OPT keeps fc1/fc2 there)
         mlp = next((c for c in blk.children() if c is not attn and sum(_is_proj(x) for x in c.children()) >= 2), blk)
@@ -448,8 +475,7 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
         qkv_layout, mlp_kind, shape = layout, kind, len(norms)
         scalings.append(float(getattr(attn, "scaling", head_dim ** -0.5)))
         blocks.append(Block(pre1, pre2, qkv, outs[0], mlp_in, rest[0], act,
-                            head_norms[0] if qk_norm else None, head_norms[1] if qk_norm else None,
-                            norms[1] if sandwich else None, norms[3] if sandwich else None))
+                            head_norms[0] if qk_norm else None, head_norms[1] if qk_norm else None, post1, post2))
 
     if rope is not None:
         rope_type = rope.kind
@@ -472,12 +498,12 @@ def read(model: nn.Module, pairs: str = "halves") -> tuple[DecoderSpec, Parts]:
                                                         default=2048)),
         sliding_window=window,
         embed_scale=_embedding_scale(model, embed, layers[0], hidden) if positions == "rotary" else None,
-        windowed=windowed, sandwich=sandwich, attn_softcap=_attn_softcap(config),
+        windowed=windowed, sandwich=sandwich or norms_at == "post", attn_softcap=_attn_softcap(config),
         final_softcap=_cfg(config, "final_logit_softcapping"), local_rope=rope.local if rope else None,
         long_after=rope.long_after if rope else None, rope_pairs=pairs if rope else "halves",
         rotary_layers=_rotary_layers(config, n_layers) if rope else None,
         residual_scale=_factor(config, "residual_multiplier"), logit_scale=_factor(config, "logit_scale"),
-        logit_divisor=_factor(config, "logits_scaling"))
+        logit_divisor=_factor(config, "logits_scaling"), qk_norm_width=qk_width, norm_place=norms_at)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
                   rope.inv_freq if rope else None, rope.scaling if rope else 1.0,
                   rope.local_inv_freq if rope else None, rope.local_scaling if rope else 1.0,
