@@ -29,6 +29,30 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def padded_pair(length=5, seed=1):
+    """Two prompts, the second left-padded by two slots, and their mask."""
+    ids = prompt(batch=2, length=length, seed=seed)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # left padding: slots, not positions, as in transformers' cache
+    return ids, mask
+
+
+def matches_hf(model, fast, ids, mask, new):
+    """transformers' greedy output on ``model`` and the fast path's: the same tokens, per-step logits within the
+    issue's bound. Returns transformers' output and the generate keywords, for a counter-check."""
+    kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    got = fast.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    return want, kw
+
+
+def worst_rel(other, want) -> float:
+    """The largest per-step relative difference between two outputs' logits."""
+    return max(rel(g, r) for g, r in zip(other.logits, want.logits, strict=False))
+
+
 @pytest.fixture(scope="module")
 def models():
     cache = {}
@@ -392,14 +416,8 @@ def test_a_sliding_window_shorter_than_the_request_matches_hf(compiled):
     model = build("mistral", seed=29, sliding_window=6)
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
     assert fast.kiln_report.path == "fast"
-    ids = prompt(batch=2, length=5, seed=30)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0  # left padding: slots, not positions, as in transformers' cache
-    kw = dict(max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    want = model.generate(ids, attention_mask=mask, **kw)
-    got = fast.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    ids, mask = padded_pair(5, seed=30)
+    want, kw = matches_hf(model, fast, ids, mask, 16)
     wide = build("mistral", seed=29, sliding_window=4096)  # the same weights, a window wider than the request
     assert not torch.equal(wide.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
 
@@ -412,14 +430,8 @@ def test_sliding_and_full_attention_layers_each_keep_their_own_mask(compiled):
     assert list(model.config.layer_types) == ["full_attention", "sliding_attention"]
     fast = tk.llm.optimize(model, dtype=torch.float32, compile=compiled)
     assert fast.kiln_report.path == "fast" and list(fast.kiln_report.spec["windowed"]) == [False, True]
-    ids = prompt(batch=2, length=5, seed=32)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0
-    kw = dict(max_new_tokens=16, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    want = model.generate(ids, attention_mask=mask, **kw)
-    got = fast.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    ids, mask = padded_pair(5, seed=32)
+    want, kw = matches_hf(model, fast, ids, mask, 16)
     # the window on both layers reads other tokens: the test sees the difference
     both = build("qwen2", seed=31, use_sliding_window=True, sliding_window=6, max_window_layers=0)
     assert not torch.equal(both.generate(ids, attention_mask=mask, **kw).sequences, want.sequences)
@@ -441,18 +453,11 @@ def test_gemma2_soft_caps_decode_as_hf_and_matter(compiled, attention):
     assert fast.kiln_report.path == "fast", fast.kiln_report.reason
     assert fast.kiln_report.spec["sandwich"]
     assert fast.kiln_report.spec["attn_softcap"] == (0.05 if attention == "eager" else None)
-    ids = prompt(batch=2, length=5, seed=42)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0
-    kw = dict(max_new_tokens=14, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    want = model.generate(ids, attention_mask=mask, **kw)
-    got = fast.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    ids, mask = padded_pair(5, seed=42)
+    want, kw = matches_hf(model, fast, ids, mask, 14)
     for off in ("attn_logit_softcapping", "final_logit_softcapping")[attention == "sdpa":]:
         uncapped = build("gemma2", seed=41, **{**caps, off: None})
-        worst = max(rel(g, r) for g, r in zip(uncapped.generate(ids, attention_mask=mask, **kw).logits,
-                                                 want.logits, strict=False))
+        worst = worst_rel(uncapped.generate(ids, attention_mask=mask, **kw), want)
         assert worst > 100 * LOGIT_TOL, f"{off} does not matter on this model ({worst:.1e})"
 
 
@@ -465,17 +470,10 @@ def test_gemma3_local_and_global_layers_each_rotate_by_their_own_table(compiled)
     report = fast.kiln_report
     assert report.path == "fast", report.reason
     assert list(report.spec["local_rope"]) == [True, False] and list(report.spec["windowed"]) == [True, False]
-    ids = prompt(batch=2, length=5, seed=44)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0
-    kw = dict(max_new_tokens=14, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    want = model.generate(ids, attention_mask=mask, **kw)
-    got = fast.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    ids, mask = padded_pair(5, seed=44)
+    want, kw = matches_hf(model, fast, ids, mask, 14)
     one_table = build("gemma3", seed=43, sliding_window=6, rope_local_base_freq=1e6)
-    worst = max(rel(g, r) for g, r in zip(one_table.generate(ids, attention_mask=mask, **kw).logits, want.logits,
-                                          strict=False))
+    worst = worst_rel(one_table.generate(ids, attention_mask=mask, **kw), want)
     assert worst > 100 * LOGIT_TOL, f"the local table does not matter on this model ({worst:.1e})"
 
 
@@ -497,13 +495,9 @@ def test_longrope_takes_the_table_transformers_takes(compiled):
         mask = torch.ones_like(ids)
         ids[:, :pad], mask[:, :pad] = 0, 0
         mask[0, :pad] = 1 if length != 13 else 0
-        kw = dict(max_new_tokens=new, output_logits=True, return_dict_in_generate=True, **GREEDY)
-        want = model.generate(ids, attention_mask=mask, **kw)
-        got = fast.generate(ids, attention_mask=mask, **kw)
-        assert torch.equal(got.sequences, want.sequences), length
-        assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL, length
-        other = short_only.generate(ids, attention_mask=mask, **kw).logits  # the long table matters where used
-        assert (max(rel(g, r) for g, r in zip(other, want.logits, strict=False)) > 100 * LOGIT_TOL) == long_used
+        want, kw = matches_hf(model, fast, ids, mask, new)
+        other = short_only.generate(ids, attention_mask=mask, **kw)  # the long table matters where used
+        assert (worst_rel(other, want) > 100 * LOGIT_TOL) == long_used, length
     assert not fast.kiln_report.fallbacks
 
 
@@ -577,14 +571,8 @@ def test_decoders_read_by_structure_beyond_the_issue_families_decode_as_hf(cls_n
     rep = fast.kiln_report
     assert rep.path == "fast", rep.reason
     assert all((list(rep.spec[k]) if isinstance(want, list) else rep.spec[k]) == want for k, want in read_as.items())
-    ids = prompt(batch=2, length=6, seed=58)
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0
-    kw = dict(max_new_tokens=10, output_logits=True, return_dict_in_generate=True, **GREEDY)
-    want = model.generate(ids, attention_mask=mask, **kw)
-    got = fast.generate(ids, attention_mask=mask, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    assert max(rel(g, r) for g, r in zip(got.logits, want.logits, strict=True)) <= LOGIT_TOL
+    ids, mask = padded_pair(6, seed=58)
+    want, kw = matches_hf(model, fast, ids, mask, 10)
     half = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)  # read the same way for bf16
     assert half.kiln_report.path == "fast" and half.kiln_report.structure_error <= LOGIT_TOL
     assert half.kiln_report.spec["rope_pairs"] == rep.spec["rope_pairs"]
