@@ -613,6 +613,27 @@ def test_the_float32_check_leaves_the_bf16_weights_as_they_were():
     assert q.untyped_storage().data_ptr() == layer.qkv.weight.untyped_storage().data_ptr()
 
 
+def test_a_float32_check_out_of_memory_leaves_the_served_check_to_decide(monkeypatch):
+    from torchkiln.llm import api
+
+    real, calls = api._verify, []
+
+    def short_of_memory(work, runner, dtype, report):
+        calls.append(dtype)
+        if dtype == torch.float32:
+            raise api.Unsupported("the fast decoder failed on a probe prompt") from torch.OutOfMemoryError("oom")
+        return real(work, runner, dtype, report)
+
+    monkeypatch.setattr(api, "_verify", short_of_memory)
+    model = build("llama", seed=59)
+    fast = tk.llm.optimize(model, dtype=torch.bfloat16, compile=False)
+    rep = fast.kiln_report
+    assert calls == [torch.float32, torch.bfloat16] and rep.path == "fast" and rep.structure_error is None
+    assert "ran out of memory" in rep.fallbacks[0]
+    want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in want.items())  # given back as they were
+
+
 def test_an_encoder_built_from_a_decoder_config_is_refused_by_name():
     model = build("gemma3", seed=45)
     model.config.use_bidirectional_attention = True

@@ -21,7 +21,7 @@ from torch import nn
 from .. import _log, hostmem
 from .._log import quiet_deprecations, warn_once
 from ..inputs import out_of_inference
-from ..modelutil import copy_with, first_line, model_device, model_dtype, parse_dtype
+from ..modelutil import copy_with, first_line, is_oom, model_device, model_dtype, parse_dtype
 from ..quantization import calibrate
 from . import decode_attention, fused, qkv_rope
 from .generate import Fallback, inferred_mask, resolve, run
@@ -374,13 +374,14 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
     random 8B model is ~5% off there) a misread passed. SmolLM3 (its NoPE layers rotated), GLM and Helium
     (RoPE on interleaved pairs read as halves) went on the fast path in bf16 and decoded other tokens than
     the model (a family survey, fifty-third session), where float32 refused them at 0.03-0.18 against 1e-4.
-    ``work``'s parameters are made float32 for the check and given back their own storage after (nothing
-    rounded, nothing moved). Where float32 weights and the decoder's fused copy would not fit, the check
-    is the served build's own, said in ``fallbacks`` for bf16/fp16."""
+    ``work``'s parameters are made float32 for the check and cast back after (bf16 -> float32 -> bf16 is
+    exact). Where float32 weights and the decoder's fused copy would not fit, or the check runs out of
+    memory, the check is the served build's own, said in ``fallbacks`` for bf16/fp16."""
     params = list(work.parameters())
     low = dtype in (torch.bfloat16, torch.float16)
-    # the float32 weights (bf16/fp16 only), and the decoder's fused float32 q/k/v, gate/up
-    need = (8 if low else 4) * sum(p.numel() for p in params)
+    # bf16/fp16: float32 weights replace the served ones for the check (those freed, cast back after: exact), 4
+    # bytes a parameter for 2; the decoder's fused float32 q/k/v and gate/up, up to 4 more
+    need = (6 if low else 4) * sum(p.numel() for p in params)
     free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else hostmem.available_bytes()
     if free is not None and need > FLOAT32_CHECK_SHARE * free:
         if low:
@@ -389,10 +390,10 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
                                     f"{free / 1e9:.1f} GB free")
         return {}
     # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
-    # (model.fuse): the modules get their own Parameter objects back, and those their own storage
+    # (model.fuse): the modules get their own Parameter objects back, and those their own dtype
     held = [(m, dict(m._parameters)) for m in work.modules()]
-    storage = [(p, p.data) for p in params]
-    errors = []
+    dtypes = [p.dtype for p in params]
+    errors, spec, parts = [], None, None
     try:
         for p in params:
             p.data = p.data.float()
@@ -410,15 +411,25 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
                 _verify(work, Runner(FastDecoder(spec, parts), target, False, False, None, scratch),
                         torch.float32, scratch)
             except Unsupported as e:
+                if is_oom(e.__cause__):
+                    raise e.__cause__ from None
                 errors.append((norms_at, pairs, str(e)))
                 continue
             report.structure_error = scratch.verify_error
             return dict(pairs=pairs, norms_at=norms_at)
+    except Exception as e:  # noqa: BLE001
+        # out of memory in this check, which the caller did not ask for: the served build's own check
+        # decides, as before the check existed (elsewhere an OOM is the caller's: modelutil.is_oom)
+        if not is_oom(e):
+            raise
+        report.fallbacks.append(f"structure checked in {report.dtype} only: the float32 check ran out of memory")
+        return {}
     finally:
+        del spec, parts  # the fused float32 copies, before the served weights come back
         for m, own in held:
             m._parameters.update(own)
-        for p, data in storage:
-            p.data = data
+        for p, dt in zip(params, dtypes, strict=True):
+            p.data = p.data.to(dt)
     others = "; ".join(f"{n}-norm, {p} pairs: {e.split(' by ')[-1].split(' relative')[0]}" for n, p, e in errors[1:])
     raise Unsupported(f"checked in float32: {errors[0][2]}" + (f" (read otherwise: {others})" if others else ""))
 
