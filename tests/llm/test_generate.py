@@ -561,6 +561,10 @@ def _family(cls_name, seed=56, **fields):
     # OLMo 2: both norms on the parts' outputs (found by the float32 check, as the pairing is), q/k norms over
     # all heads before they are split
     ("Olmo2", dict(), dict(norm_place="post", qk_norm_width="full", qk_norm=True)),
+    # Cohere 2 and EXAONE 4 rotate only in their sliding layers (found by the float32 check): layer 3 attends to
+    # everything without positions
+    ("Cohere2", dict(sliding_window=4), dict(rotary_layers=[True, True, True, False])),
+    ("Exaone4", dict(sliding_window=4, sliding_window_pattern=4), dict(rotary_layers=[True, True, True, False])),
     # Granite's multipliers: embeddings (read by running the forward), residual branches, attention, logits
     ("Granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.05,
                      logits_scaling=8.0), dict(residual_scale=0.22, logit_divisor=8.0, embed_scale=12.0))])

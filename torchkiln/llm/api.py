@@ -29,7 +29,7 @@ from .model import FastDecoder, cpu_projections, cublas_projections, cuda_projec
 from .quant import MMA_KERNEL, cpu_int8_rows, gptq_codes, head_kind, int4_kernels
 from .quant import quantize as quantize_decoder
 from .runner import Runner
-from .spec import NORM_PLACES, ROPE_PAIRS, Unsupported, read
+from .spec import NORM_PLACES, ROPE_PAIRS, ROTARY_ON, Unsupported, read
 
 log = logging.getLogger(__name__)
 QUANT = {"int8": "int8-weight-only", "int4": "int4-weight-only"}
@@ -397,13 +397,13 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
     try:
         for p in params:
             p.data = p.data.float()
-        for norms_at, pairs in itertools.product(NORM_PLACES, ROPE_PAIRS):
+        for rotary_on, norms_at, pairs in itertools.product(ROTARY_ON, NORM_PLACES, ROPE_PAIRS):
             try:
-                spec, parts = read(work, pairs=pairs, norms_at=norms_at)
+                spec, parts = read(work, pairs=pairs, norms_at=norms_at, rotary_on=rotary_on)
             except Unsupported:
                 if not errors:  # the first reading's own refusal is the one to say
                     raise
-                continue  # this layer has no such variant (post-norm of other than two norms)
+                continue  # the model has no such variant (post-norm of other than two norms, ...)
             if spec.positions != "rotary" and pairs != ROPE_PAIRS[0]:
                 continue  # nothing rotates: the pairing changes nothing
             scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
@@ -413,10 +413,10 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
             except Unsupported as e:
                 if is_oom(e.__cause__):
                     raise e.__cause__ from None
-                errors.append((norms_at, pairs, str(e)))
+                errors.append((rotary_on, norms_at, pairs, str(e)))
                 continue
             report.structure_error = scratch.verify_error
-            return dict(pairs=pairs, norms_at=norms_at)
+            return dict(pairs=pairs, norms_at=norms_at, rotary_on=rotary_on)
     except Exception as e:  # noqa: BLE001
         # out of memory in this check, which the caller did not ask for: the served build's own check
         # decides, as before the check existed (elsewhere an OOM is the caller's: modelutil.is_oom)
@@ -430,8 +430,9 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
             m._parameters.update(own)
         for p, dt in zip(params, dtypes, strict=True):
             p.data = p.data.to(dt)
-    others = "; ".join(f"{n}-norm, {p} pairs: {e.split(' by ')[-1].split(' relative')[0]}" for n, p, e in errors[1:])
-    raise Unsupported(f"checked in float32: {errors[0][2]}" + (f" (read otherwise: {others})" if others else ""))
+    others = "; ".join(f"{n}-norm, {p} pairs{', rotary on sliding layers' if r == 'sliding' else ''}: "
+                       f"{e.split(' by ')[-1].split(' relative')[0]}" for r, n, p, e in errors[1:])
+    raise Unsupported(f"checked in float32: {errors[0][3]}" + (f" (read otherwise: {others})" if others else ""))
 
 
 def _stock(work, report: LLMReport, reason: str, t0: float):

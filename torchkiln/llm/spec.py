@@ -333,17 +333,24 @@ def _attn_softcap(config) -> float | None:
 # keeps the first its float32 check passes.
 ROPE_PAIRS = ("halves", "interleaved")
 NORM_PLACES = ("pre", "post")
+# Whether layers of full attention rotate, where some layers slide: Cohere 2 (Command R7B, Command A) and
+# EXAONE 4 rotate only in their sliding layers (a rule in their code); "all": every layer rotates
+ROTARY_ON = ("all", "sliding")
 
 
-def _rotary_layers(config, n_layers: int) -> tuple | None:
-    """SmolLM3's ``no_rope_layers``: per layer, 1 where it rotates, 0 for a NoPE layer (no positions in
-    attention at all). None: every layer rotates."""
+def _rotary_layers(config, n_layers: int, rotary_on: str = "all") -> tuple | None:
+    """Per layer, whether it rotates; None: every layer does. SmolLM3's ``no_rope_layers`` (1 where it
+    rotates, 0 for a NoPE layer: no positions in attention at all); ``rotary_on="sliding"``: only the
+    sliding layers of ``layer_types`` (ROTARY_ON)."""
     flags = getattr(config, "no_rope_layers", None)
-    if flags is None:
-        return None
-    flags = tuple(bool(f) for f in flags)
+    flags = (True,) * n_layers if flags is None else tuple(bool(f) for f in flags)
     if len(flags) != n_layers:
         raise Unsupported(f"config.no_rope_layers has {len(flags)} entries for {n_layers} layers")
+    if rotary_on == "sliding":
+        types = list(getattr(config, "layer_types", None) or [])
+        if len(types) != n_layers or len(set(types)) < 2 or getattr(config, "sliding_window", None) is None:
+            raise Unsupported("rotary on sliding layers only, asked of a model without both kinds of layer")
+        flags = tuple(f and t == "sliding_attention" for f, t in zip(flags, types, strict=True))
     return None if all(flags) else flags
 
 
@@ -370,9 +377,11 @@ def _qk_norms(attn: nn.Module, n_heads: int, n_kv: int, head_dim: int) -> tuple[
     return [], "head"
 
 
-def read(model: nn.Module, pairs: str = "halves", norms_at: str = "pre") -> tuple[DecoderSpec, Parts]:
+def read(model: nn.Module, pairs: str = "halves", norms_at: str = "pre",
+         rotary_on: str = "all") -> tuple[DecoderSpec, Parts]:
     """The spec and parts of a decoder-only causal LM, or Unsupported with the reason. ``pairs``: how the
-    rotary dimensions pair up (ROPE_PAIRS); ``norms_at``: where a two-norm layer's norms sit (NORM_PLACES)."""
+    rotary dimensions pair up (ROPE_PAIRS); ``norms_at``: where a two-norm layer's norms sit (NORM_PLACES);
+    ``rotary_on``: which layers rotate (ROTARY_ON)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_output_embeddings"):
         raise Unsupported(f"{type(model).__name__} is not a Hugging Face model (no config / output head)")
@@ -501,7 +510,7 @@ def read(model: nn.Module, pairs: str = "halves", norms_at: str = "pre") -> tupl
         windowed=windowed, sandwich=sandwich or norms_at == "post", attn_softcap=_attn_softcap(config),
         final_softcap=_cfg(config, "final_logit_softcapping"), local_rope=rope.local if rope else None,
         long_after=rope.long_after if rope else None, rope_pairs=pairs if rope else "halves",
-        rotary_layers=_rotary_layers(config, n_layers) if rope else None,
+        rotary_layers=_rotary_layers(config, n_layers, rotary_on) if rope else None,
         residual_scale=_factor(config, "residual_multiplier"), logit_scale=_factor(config, "logit_scale"),
         logit_divisor=_factor(config, "logits_scaling"), qk_norm_width=qk_width, norm_place=norms_at)
     parts = Parts(embed, pos_embed if positions == "learned" else None, blocks, finals[0], head,
