@@ -375,19 +375,19 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
     (RoPE on interleaved pairs read as halves) went on the fast path in bf16 and decoded other tokens than
     the model (a family survey, fifty-third session), where float32 refused them at 0.03-0.18 against 1e-4.
     ``work``'s parameters are made float32 for the check and cast back after (bf16 -> float32 -> bf16 is
-    exact). Where float32 weights and the decoder's fused copy would not fit, or the check runs out of
+    exact). Where float32 weights would not fit, or the check runs out of
     memory, the check is the served build's own, said in ``fallbacks`` for bf16/fp16."""
     params = list(work.parameters())
     low = dtype in (torch.bfloat16, torch.float16)
     # bf16/fp16: float32 weights replace the served ones for the check (those freed, cast back after: exact), 4
-    # bytes a parameter for 2; the decoder's fused float32 q/k/v and gate/up, up to 4 more
-    need = (6 if low else 4) * sum(p.numel() for p in params)
+    # bytes a parameter for 2; the checked decoder reads them in place (model.Side: no fused copy). float32:
+    # nothing is copied; the bound leaves room for the activations
+    need = (4 if low else 1) * sum(p.numel() for p in params)
     free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else hostmem.available_bytes()
     if free is not None and need > FLOAT32_CHECK_SHARE * free:
         if low:
-            report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights and their fused "
-                                    f"copy ({need / 1e9:.1f} GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the "
-                                    f"{free / 1e9:.1f} GB free")
+            report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights ({need / 1e9:.1f} "
+                                    f"GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the {free / 1e9:.1f} GB free")
         return {}
     # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
     # (model.fuse): the modules get their own Parameter objects back, and those their own dtype
@@ -408,7 +408,7 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
                 continue  # nothing rotates: the pairing changes nothing
             scratch = LLMReport("fast", "", report.device, "float32", None, False, False)
             try:
-                _verify(work, Runner(FastDecoder(spec, parts), target, False, False, None, scratch),
+                _verify(work, Runner(FastDecoder(spec, parts, fused=False), target, False, False, None, scratch),
                         torch.float32, scratch)
             except Unsupported as e:
                 if is_oom(e.__cause__):
@@ -425,7 +425,7 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
         report.fallbacks.append(f"structure checked in {report.dtype} only: the float32 check ran out of memory")
         return {}
     finally:
-        del spec, parts  # the fused float32 copies, before the served weights come back
+        del spec, parts
         for m, own in held:
             m._parameters.update(own)
         for p, dt in zip(params, dtypes, strict=True):

@@ -70,6 +70,19 @@ def fuse(mods: list, transposed: bool) -> nn.Linear:
     return linear_of(weight, bias)
 
 
+class Side(nn.Module):
+    """``mods``' outputs side by side, each over its own weight (no copy): what ``fuse`` computes, for a
+    decoder built only to be checked (api._structure), where a fused copy of the weights would be
+    memory for nothing (llama-1b bf16 in place: the check's peak 8.8 GB with the copy)."""
+
+    def __init__(self, mods: list, transposed: bool):
+        super().__init__()
+        self.parts = nn.ModuleList(linear_of(_weight(m, transposed), m.bias) for m in mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
 @functools.cache
 def _register_linear() -> None:
     """torchkiln::linear, F.linear as an op the compiler cannot look into (registered on first use)."""
@@ -350,16 +363,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec, blk, index: int):
+    def __init__(self, spec: DecoderSpec, blk, index: int, fused: bool = True):
         super().__init__()
         self.spec, self.scaling = spec, spec.scaling[index]
         self.norm1, self.norm2, self.act = blk.norm1, blk.norm2, blk.act
         self.q_norm, self.k_norm = blk.q_norm, blk.k_norm
         self.post1, self.post2 = blk.post1, blk.post2
         t = spec.qkv_transposed
-        self.qkv = fuse(blk.qkv, t)
+        join = fuse if fused else Side
+        self.qkv = join(blk.qkv, t)
         self.out = linear_of(_weight(blk.out, t), blk.out.bias)
-        self.up = fuse(blk.mlp_in, t)
+        self.up = join(blk.mlp_in, t)
         self.down = linear_of(_weight(blk.mlp_out, t), blk.mlp_out.bias)
         # the model's own module whose input each projection reads (GPTQ collects its inputs there);
         # a plain dict, not registered: they are the model's modules, not the decoder's
@@ -458,12 +472,14 @@ def _tables(inv_freq: torch.Tensor, scale: float, seq: int, dtype, dev,
 class FastDecoder(nn.Module):
     """Not registered inside the model: its tensors are the model's own (or views of them)."""
 
-    def __init__(self, spec: DecoderSpec, parts: Parts):
+    def __init__(self, spec: DecoderSpec, parts: Parts, fused: bool = True):
         super().__init__()
         self.spec = spec
         self.embed, self.pos_embed, self.norm = parts.embed, parts.pos_embed, parts.final_norm
         self.head = linear_of(parts.head.weight, parts.head.bias)
-        self.layers = nn.ModuleList(Layer(spec, b, i) for i, b in enumerate(parts.blocks))
+        # fused=False: q/k/v and gate/up side by side over the model's own weights (Side), for a decoder that is
+        # only checked
+        self.layers = nn.ModuleList(Layer(spec, b, i, fused) for i, b in enumerate(parts.blocks))
         self._inv_freq, self._rope_scale = parts.inv_freq, parts.attention_scaling
         self._local_inv_freq, self._local_scale = parts.local_inv_freq, parts.local_scaling
         self._long_inv_freq = parts.long_inv_freq
