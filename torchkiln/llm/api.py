@@ -367,8 +367,9 @@ FLOAT32_CHECK_SHARE = 0.5
 def _structure(work, target, dtype, report: LLMReport) -> dict:
     """How the decoder is read, decided by building it in float32 and checking it against the model's
     forward there (_verify at 1e-4), before the served build. Returns the reading that passed, as ``read``'s
-    keywords: where a two-norm layer's norms sit and how the rotary dimensions pair up (spec.NORM_PLACES,
-    spec.ROPE_PAIRS, tried in turn: both are in the model's code, not its config).
+    keywords: which layers rotate, where a two-norm layer's norms sit and how the rotary dimensions pair up
+    (spec.ROTARY_ON, spec.NORM_PLACES, spec.ROPE_PAIRS, tried in turn: all three are in the model's code,
+    not its config).
 
     Why float32 for a decoder served in bf16/fp16: at bf16's tolerance (0.25: a correct decoder of a
     random 8B model is ~5% off there) a misread passed. SmolLM3 (its NoPE layers rotated), GLM and Helium
@@ -389,11 +390,8 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
             report.fallbacks.append(f"structure checked in {report.dtype} only: float32 weights ({need / 1e9:.1f} "
                                     f"GB) do not fit in {FLOAT32_CHECK_SHARE:.0%} of the {free / 1e9:.1f} GB free")
         return {}
-    # building a decoder re-points the modules' q/k/v and gate/up parameters at views of one fused weight
-    # (model.fuse): the modules get their own Parameter objects back, and those their own dtype
-    held = [(m, dict(m._parameters)) for m in work.modules()]
     dtypes = [p.dtype for p in params]
-    errors, spec, parts = [], None, None
+    errors = []  # (the reading, its error or None where the probe failed, the message)
     try:
         for p in params:
             p.data = p.data.float()
@@ -413,7 +411,9 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
             except Unsupported as e:
                 if is_oom(e.__cause__):
                     raise e.__cause__ from None
-                errors.append((rotary_on, norms_at, pairs, str(e)))
+                reading = f"{norms_at}-norm, {pairs} pairs" + (", rotary on sliding layers" if rotary_on == "sliding"
+                                                               else "")
+                errors.append((reading, scratch.verify_error, str(e)))
                 continue
             report.structure_error = scratch.verify_error
             return dict(pairs=pairs, norms_at=norms_at, rotary_on=rotary_on)
@@ -424,15 +424,11 @@ def _structure(work, target, dtype, report: LLMReport) -> dict:
             raise
         report.fallbacks.append(f"structure checked in {report.dtype} only: the float32 check ran out of memory")
         return {}
-    finally:
-        del spec, parts
-        for m, own in held:
-            m._parameters.update(own)
+    finally:  # the checked decoder reads the weights in place (model.Side): only their dtype to give back
         for p, dt in zip(params, dtypes, strict=True):
             p.data = p.data.to(dt)
-    others = "; ".join(f"{n}-norm, {p} pairs{', rotary on sliding layers' if r == 'sliding' else ''}: "
-                       f"{e.split(' by ')[-1].split(' relative')[0]}" for r, n, p, e in errors[1:])
-    raise Unsupported(f"checked in float32: {errors[0][3]}" + (f" (read otherwise: {others})" if others else ""))
+    others = "; ".join(f"{reading}: {msg if err is None else f'{err:.2e}'}" for reading, err, msg in errors[1:])
+    raise Unsupported(f"checked in float32: {errors[0][2]}" + (f" (read otherwise: {others})" if others else ""))
 
 
 def _stock(work, report: LLMReport, reason: str, t0: float):
